@@ -1,0 +1,58 @@
+"""Every private torch / Inductor name forge uses, in one place (supported: torch 2.11 - 2.13)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (public-ish, stable 2.11-2.13)
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
+
+
+def compile_fx(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def inductor_config_for_forge():
+    """Inductor settings the fused op needs.
+
+    reorder_for_locality can move a read of W below the in-place update, and reinplacing then clones
+    the whole weight (see shared NOTES); turning it off costs nothing measurable on these graphs.
+    """
+    from torch._inductor import config
+
+    with config.patch(reorder_for_locality=False):
+        yield
+
+
+def reinplace_missed_bytes() -> int:
+    """Bytes Inductor's reinplace pass failed to update in place (each a full clone of a tensor)."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+
+    return int(ReinplaceCounters.get_total_missed_bytes())
+
+
+def reset_reinplace_counters() -> None:
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+
+    ReinplaceCounters.clear()
+
+
+def register_dynamo_backend(name, fn):
+    from torch._dynamo import list_backends, register_backend
+
+    if name in list_backends(exclude_tags=()):
+        return
+    register_backend(name=name)(fn)
+
+
+def aot_autograd(**kwargs):
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    return _aot(**kwargs)
+
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

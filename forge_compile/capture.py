@@ -1,0 +1,366 @@
+"""``forge.compile_train_step``: capture forward + backward + optimizer step as ONE graph, rewrite
+each linear weight's (dW, update) pair into the fused op, compile the rest with Inductor.
+
+How the user's ordinary step is honoured while tracing (make_fx, fake tensors, nothing real touched):
+- the modules it uses get their parameters/buffers swapped for graph inputs; ``loss.backward()`` then
+  traces autograd and fills ``.grad`` on those inputs, so ``clip_grad_norm_``/grad logging trace too;
+- each optimizer's ``step``/``zero_grad`` are replaced for the trace by forge's functional versions:
+  one opaque ``forge::apply_rule_`` per parameter, states and hyper-parameters as graph inputs.
+State stays in ``optimizer.state[p]`` in torch.optim's format; hyper-parameters are 0-dim tensors read
+from ``param_groups`` at every call, so schedulers never retrace.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import types
+import weakref
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from . import _compat
+from .dump import dump_dir as _dump_dir, write_dump
+from .graph_printer import format_graph
+from .optim.rule import decompose_apply_rule
+from .optim.translate import hparam_values, plan_optimizer, prepare_states, structure_key
+from .passes.wgrad_update_pattern import rewrite_wgrad_updates
+from .report import FusionReport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_train_step", "CompiledTrainStep", "explain", "counters", "ForgeCaptureError"]
+
+counters: Counter = Counter()
+
+
+class ForgeCaptureError(RuntimeError):
+    pass
+
+
+def _code_names(code: types.CodeType) -> set:
+    names = set(code.co_names) | set(code.co_freevars)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def discover(fn):
+    """The modules and optimizers ``fn`` refers to (closure cells and globals it names)."""
+    fn = inspect.unwrap(fn)
+    found = {}
+    if fn.__closure__:
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            try:
+                found[name] = cell.cell_contents
+            except ValueError:
+                pass
+    g = getattr(fn, "__globals__", {})
+    for name in _code_names(fn.__code__):
+        if name in g and name not in found:
+            found[name] = g[name]
+    if isinstance(getattr(fn, "__self__", None), nn.Module):
+        found["self"] = fn.__self__
+    modules = {n: o for n, o in found.items() if isinstance(o, nn.Module)}
+    optimizers = [o for o in found.values() if isinstance(o, torch.optim.Optimizer)]
+    # Keep only top-level modules: a submodule also named in fn is already covered by its parent.
+    subs = {id(m) for mod in modules.values() for m in list(mod.modules())[1:]}
+    modules = {n: m for n, m in modules.items() if id(m) not in subs}
+    return modules, optimizers
+
+
+@dataclasses.dataclass
+class _Compiled:
+    fn: object
+    report: FusionReport
+    out_spec: object
+    n_user_out: int
+    grad_params: list        # params whose .grad the step leaves set (outputs after the user's)
+
+
+def _tensor_meta(t):
+    return ("T", tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t.requires_grad)
+
+
+class CompiledTrainStep:
+    def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._dump_dir = dump_dir
+        self._fuse = fuse
+        self._explicit_models = models
+        self._explicit_optimizers = optimizers
+        self._cache: dict = {}
+        self.compile_count = 0
+        self.last_report: FusionReport | None = None
+
+    # -- what the step touches -------------------------------------------------------------------
+    def _targets(self):
+        modules, optimizers = discover(self._fn)
+        if self._explicit_models is not None:
+            ms = self._explicit_models
+            ms = ms if isinstance(ms, (list, tuple)) else [ms]
+            modules = {f"model{i}" if len(ms) > 1 else "model": m for i, m in enumerate(ms)}
+        if self._explicit_optimizers is not None:
+            os_ = self._explicit_optimizers
+            optimizers = list(os_) if isinstance(os_, (list, tuple)) else [os_]
+        if not modules:
+            raise ForgeCaptureError("forge.compile_train_step: found no nn.Module used by the step; "
+                                    "pass models=... explicitly")
+        return modules, optimizers
+
+    def _inputs(self, modules, optimizers, args, kwargs):
+        params, pnames, buffers, bnames = [], [], [], []
+        seen = set()
+        for mname, mod in modules.items():
+            for n, p in mod.named_parameters(remove_duplicate=False):
+                if id(p) not in seen:
+                    seen.add(id(p)); params.append(p); pnames.append(f"{mname}.{n}")
+            for n, b in mod.named_buffers(remove_duplicate=False):
+                if id(b) not in seen:
+                    seen.add(id(b)); buffers.append(b); bnames.append(f"{mname}.{n}")
+        plans = []
+        for opt in optimizers:
+            for pl in plan_optimizer(opt):       # raises before any state is touched
+                if id(pl.param) not in seen:
+                    raise ForgeCaptureError(
+                        f"forge: the optimizer owns a parameter of shape {tuple(pl.param.shape)} that none "
+                        "of the step's modules holds; pass models=... explicitly")
+                plans.append((opt, pl))
+        for p, n in zip(params, pnames):
+            if p.grad is not None:
+                raise ForgeCaptureError(
+                    f"forge: {n}.grad is set before the step; a fused step computes gradients itself. "
+                    "Call optimizer.zero_grad(set_to_none=True) before the first forge step.")
+        return params, pnames, buffers, bnames, plans
+
+    # -- tracing ------------------------------------------------------------------------------------
+    def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs):
+        leaves, in_spec = pytree.tree_flatten((args, kwargs))
+        t_idx = [i for i, l in enumerate(leaves) if isinstance(l, torch.Tensor)]
+        n_p, n_b = len(params), len(buffers)
+        n_s = sum(len(s) for s in states)
+        n_h = sum(len(h) for h in hparams)
+        out_info = {}
+        fn = self._fn
+        mod_items = list(modules.items())
+
+        def step(*flat):
+            tp = list(flat[:n_p]); tb = list(flat[n_p:n_p + n_b])
+            ts_flat = flat[n_p + n_b:n_p + n_b + n_s]; th_flat = flat[n_p + n_b + n_s:n_p + n_b + n_s + n_h]
+            targs = list(flat[n_p + n_b + n_s + n_h:])
+            traced = {}
+            for real, t in zip(params, tp):
+                if real.requires_grad:
+                    t.requires_grad_()
+                traced[id(real)] = t
+            for real, t in zip(buffers, tb):
+                traced[id(real)] = t
+            ts, th, i, j = [], [], 0, 0
+            for s, h in zip(states, hparams):
+                ts.append(list(ts_flat[i:i + len(s)])); i += len(s)
+                th.append(list(th_flat[j:j + len(h)])); j += len(h)
+            by_opt = {}
+            for (opt, pl), s, h in zip(plans, ts, th):
+                by_opt.setdefault(id(opt), []).append((pl, s, h))
+
+            def fake_step(opt, closure=None):
+                if closure is not None:
+                    raise ForgeCaptureError("forge: optimizer.step(closure) is not supported")
+                with torch.no_grad():
+                    for pl, s, h in by_opt.get(id(opt), []):
+                        t = traced[id(pl.param)]
+                        if t.grad is None:
+                            continue       # torch.optim skips parameters without a gradient
+                        torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name)
+
+            def fake_zero_grad(opt, set_to_none=True):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        t = traced.get(id(p))
+                        if t is None or t.grad is None:
+                            continue
+                        # A fresh zeros tensor, not grad.zero_(): the old gradient keeps no consumer.
+                        t.grad = None if set_to_none else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+            l2 = list(leaves)
+            for k, i_ in enumerate(t_idx):
+                l2[i_] = targs[k]
+            a2, k2 = pytree.tree_unflatten(l2, in_spec)
+            with contextlib.ExitStack() as stack:
+                off_p = off_b = 0
+                for mname, mod in mod_items:
+                    sub = {}
+                    for n, p in mod.named_parameters(remove_duplicate=False):
+                        sub[n] = traced[id(p)]
+                    for n, b in mod.named_buffers(remove_duplicate=False):
+                        sub[n] = traced[id(b)]
+                    stack.enter_context(_compat.reparametrize_module(mod, sub, tie_weights=True))
+                for opt in optimizers:
+                    stack.enter_context(_patched(opt, fake_step, fake_zero_grad))
+                out = fn(*a2, **k2)
+                out_leaves, out_spec = pytree.tree_flatten(out)
+                out_leaves = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+                grads = [(real, traced[id(real)].grad) for real in params
+                         if traced[id(real)].grad is not None]
+            bad = [type(o).__name__ for o in out_leaves if not isinstance(o, torch.Tensor)]
+            if bad:
+                raise ForgeCaptureError(f"forge: the step must return tensors (or a pytree of them), got {bad}")
+            out_info["spec"] = out_spec
+            out_info["n"] = len(out_leaves)
+            out_info["grad_params"] = [r for r, _ in grads]
+            return tuple(out_leaves) + tuple(g.detach() for _, g in grads)
+
+        return step, t_idx, leaves, out_info
+
+    def _build(self, key, modules, optimizers, params, pnames, buffers, plans, states, hparams, flat,
+               args, kwargs):
+        step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
+                                                    hparams, args, kwargs)
+        try:
+            gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
+        except ForgeCaptureError:
+            raise
+        except Exception as e:
+            raise ForgeCaptureError(
+                f"forge: could not capture the train step as one graph ({type(e).__name__}: {e}). "
+                "The step must be traceable: no .item()/float(tensor)/data-dependent Python control flow, "
+                "and no lr-scheduler.step() inside it.") from e
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
+        captured_code = format_graph(gm)
+        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse)
+        report = FusionReport(decisions, graph="train_step")
+        if not any(d.fused for d in decisions) and self._fuse and decisions:
+            report.notes.append("no weight gradient could be fused; see the reasons above")
+        rewritten_code = format_graph(gm)
+        write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
+        return gm, report, out_info
+
+    def _prepare(self, args, kwargs):
+        modules, optimizers = self._targets()
+        params, pnames, buffers, bnames, plans = self._inputs(modules, optimizers, args, kwargs)
+        return modules, optimizers, params, pnames, buffers, plans
+
+    def _key(self, modules, optimizers, params, buffers, states, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaf_key = tuple(_tensor_meta(l) if isinstance(l, torch.Tensor) else ("V", type(l), l) for l in leaves)
+        return (
+            str(spec), leaf_key,
+            tuple(id(p) for p in params), tuple(_tensor_meta(p) for p in params),
+            tuple(_tensor_meta(b) for b in buffers),
+            tuple(structure_key(o) for o in optimizers),
+            tuple(_tensor_meta(s) for ss in states for s in ss),
+            tuple(m.training for mod in modules.values() for m in mod.modules()),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_grad_enabled(), self._fuse,
+        )
+
+    def _state_and_hparams(self, plans):
+        states = [prepare_states(opt, pl) for opt, pl in plans]
+        hparams = [[torch.tensor(v, dtype=torch.float64) for v in hparam_values(opt, pl)] for opt, pl in plans]
+        return states, hparams
+
+    def __call__(self, *args, **kwargs):
+        modules, optimizers, params, pnames, buffers, plans = self._prepare(args, kwargs)
+        states, hparams = self._state_and_hparams(plans)
+        key = self._key(modules, optimizers, params, buffers, states, args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
+        flat = ([p.detach() for p in params] + [b.detach() for b in buffers]
+                + [s for ss in states for s in ss] + [h for hh in hparams for h in hh] + arg_tensors)
+        entry = self._cache.get(key)
+        if entry is None:
+            gm, report, out_info = self._build(key, modules, optimizers, params, pnames, buffers, plans,
+                                               states, hparams, flat, args, kwargs)
+            gm = _decompose_remaining_updates(gm, flat)
+            _compat.reset_reinplace_counters()
+            with _compat.inductor_config_for_forge():
+                compiled = _compat.compile_fx(gm, flat)
+            report.notes.extend(_clone_notes())
+            entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"])
+            self._cache[key] = entry
+            self.compile_count += 1
+            counters["compiles"] += 1
+            log.info("forge: compiled train step\n%s", report)
+        self.last_report = entry.report
+        outs = entry.fn(*flat)
+        outs = list(outs)
+        for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
+            p.grad = g
+        return pytree.tree_unflatten(outs[:entry.n_user_out], entry.out_spec)
+
+    def explain(self, *args, **kwargs) -> FusionReport:
+        """Capture and rewrite the step for these inputs without running it or changing any tensor."""
+        modules, optimizers, params, pnames, buffers, plans = self._prepare(args, kwargs)
+        had = [(opt, pl.param, pl.param in opt.state) for opt, pl in plans]
+        try:
+            states, hparams = self._state_and_hparams(plans)
+            leaves = pytree.tree_leaves((args, kwargs))
+            flat = ([p.detach() for p in params] + [b.detach() for b in buffers]
+                    + [s for ss in states for s in ss] + [h for hh in hparams for h in hh]
+                    + [l for l in leaves if isinstance(l, torch.Tensor)])
+            key = self._key(modules, optimizers, params, buffers, states, args, kwargs)
+            _, report, _ = self._build(key, modules, optimizers, params, pnames, buffers, plans, states,
+                                       hparams, flat, args, kwargs)
+        finally:
+            for opt, p, existed in had:
+                if not existed:
+                    opt.state.pop(p, None)
+        return report
+
+
+def _clone_notes():
+    missed = _compat.reinplace_missed_bytes()
+    if missed:
+        log.warning("forge: Inductor could not update %d bytes in place (a tensor was cloned)", missed)
+        return [f"Inductor cloned {missed} bytes it could not update in place"]
+    return []
+
+
+@contextlib.contextmanager
+def _patched(opt, step, zero_grad):
+    had_step, had_zero = "step" in opt.__dict__, "zero_grad" in opt.__dict__
+    old_step, old_zero = opt.__dict__.get("step"), opt.__dict__.get("zero_grad")
+    opt.step = types.MethodType(step, opt)
+    opt.zero_grad = types.MethodType(zero_grad, opt)
+    try:
+        yield
+    finally:
+        if had_step:
+            opt.step = old_step
+        else:
+            del opt.step
+        if had_zero:
+            opt.zero_grad = old_zero
+        else:
+            del opt.zero_grad
+
+
+def _decompose_remaining_updates(gm, flat):
+    """Re-trace with every unfused ``apply_rule_`` expanded into the rule's element-wise ops (+copy_),
+    which Inductor fuses; fused ``wgrad_update_`` nodes stay opaque."""
+    table = {torch.ops.forge.apply_rule_.default: decompose_apply_rule}
+    interp = torch.fx.Interpreter(gm)
+    return _compat.make_fx(lambda *a: interp.run(*a), decomposition_table=table, tracing_mode="fake")(*flat)
+
+
+def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None):
+    """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
+    into one graph whose linear weight gradients are fused with their optimizer update."""
+    if fn is None:
+        return lambda f: CompiledTrainStep(f, dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers)
+    return CompiledTrainStep(fn, dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers)
+
+
+def explain(fn, *args, **kwargs) -> FusionReport:
+    """The fusion report of ``fn`` (a compiled step or a plain step function) for these inputs."""
+    step = fn if isinstance(fn, CompiledTrainStep) else CompiledTrainStep(fn)
+    return step.explain(*args, **kwargs)

@@ -1,0 +1,16 @@
+from .wgrad_update import reference_wgrad_update, wgrad_update
+
+__all__ = ["epilogue_supported", "reference_wgrad_update", "wgrad_update"]
+
+
+def epilogue_supported(rule) -> tuple[bool, str]:
+    """Can the rule be generated as a Triton epilogue? (CPU parameters never need this.)"""
+    try:
+        from .epilogue_codegen import EpilogueUnsupported, compile_epilogue
+    except ImportError as e:  # triton missing
+        return False, f"Triton is not available ({e})"
+    try:
+        compile_epilogue(rule)
+    except EpilogueUnsupported as e:
+        return False, f"rule {rule.name!r} cannot be fused: {e}"
+    return True, ""

@@ -1,0 +1,120 @@
+"""The fused weight-gradient + optimizer-update op: ``forge::wgrad_update_``.
+
+Semantics (the spec; ``reference_wgrad_update`` below is it in plain torch):
+    dW = (dy_t.float() @ x.float())          # [N, M] @ [M, K] -> [N, K], fp32 accumulation
+    weight, *states = rule.fn(weight, dW, *states, *hparams)   # written in place
+dW never exists as a whole tensor: the CPU impl builds one row block of it at a time, the CUDA impl
+keeps each dW tile in registers and applies the rule in the GEMM epilogue (kernels/wgrad_update_triton.py).
+
+Arguments:
+- weight [N, K] fp32, contiguous (the parameter, updated in place);
+- dy_t [N, M] and x [M, K]: fp32/bf16/fp16, any strides (dy_t is usually a transposed view of dY);
+- states: the rule's states in ``rule.states`` order; tensor states are [N, K] fp32 contiguous, scalar
+  states (e.g. ``step``) 0-dim float32 CPU tensors; all updated in place;
+- hparams: 0-dim float64 CPU tensors in ``rule.hparams`` order;
+- rule: the name of a registered ``Rule``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..optim.rule import get_rule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["wgrad_update", "reference_wgrad_update", "cpu_block_rows"]
+
+# Bytes of dW that one CPU row block may hold: small enough to stay in L2/L3 while the rule's
+# element-wise ops pass over it, large enough that each block's mm is efficient.
+_CPU_BLOCK_BYTES = 1 << 20
+
+
+def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
+    """Plain-torch spec: materializes dW, applies the rule in place, returns dW (tests only)."""
+    grad = dy_t.float() @ x.float()
+    with torch.no_grad():
+        get_rule(rule).apply(weight, grad, list(states), list(hparams))
+    return grad
+
+
+def cpu_block_rows(n_rows: int, n_cols: int) -> int:
+    return max(1, min(n_rows, _CPU_BLOCK_BYTES // (4 * max(1, n_cols))))
+
+
+def _wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None):
+    rule = get_rule(rule_name)
+    n, k = weight.shape
+    xf = x if x.dtype == torch.float32 else x.float()
+    rows = cpu_block_rows(n, k)
+    tensor_idx = [i for i in range(len(states)) if not rule.is_scalar_state(i)]
+    scalar_idx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
+    scalar_in = [states[i].clone() for i in scalar_idx]   # every block starts from the old scalars
+    new_scalars = None
+    with torch.no_grad():
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            g = torch.mm(dy_t[r0:r1].float(), xf)
+            if grad_out is not None:
+                grad_out[r0:r1].copy_(g)
+            blk_states = list(states)
+            for i in tensor_idx:
+                blk_states[i] = states[i][r0:r1]
+            for j, i in enumerate(scalar_idx):
+                blk_states[i] = scalar_in[j]
+            out = rule.fn(weight[r0:r1], g, *blk_states, *hparams)
+            weight[r0:r1].copy_(out[0])
+            for i in tensor_idx:
+                states[i][r0:r1].copy_(out[1 + i])
+            if new_scalars is None:
+                new_scalars = [out[1 + i] for i in scalar_idx]
+        for j, i in enumerate(scalar_idx):
+            if new_scalars is not None:
+                states[i].copy_(new_scalars[j])
+
+
+def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> None:
+    """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed."""
+    _check(weight, dy_t, x, states, rule)
+    if weight.is_cuda or _interpret_on_cpu():
+        from .wgrad_update_triton import launch_wgrad_update
+
+        launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule), grad_out=grad_out)
+    else:
+        _wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out)
+
+
+def _interpret_on_cpu() -> bool:
+    # FORGE_TRITON_CPU=1 routes CPU tensors through the Triton kernel under TRITON_INTERPRET=1 (tests).
+    import os
+
+    return os.environ.get("FORGE_TRITON_CPU") == "1"
+
+
+def _check(weight, dy_t, x, states, rule_name):
+    rule = get_rule(rule_name)
+    n, k = weight.shape
+    if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
+        raise ValueError(
+            f"wgrad_update: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x {tuple(x.shape)} do not compose"
+        )
+    if len(states) != len(rule.states):
+        raise ValueError(f"wgrad_update: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
+
+
+@torch.library.custom_op("forge::wgrad_update_", mutates_args=("weight", "states"))
+def wgrad_update_(
+    weight: torch.Tensor,
+    dy_t: torch.Tensor,
+    x: torch.Tensor,
+    states: list[torch.Tensor],
+    hparams: list[torch.Tensor],
+    rule: str,
+) -> None:
+    wgrad_update(weight, dy_t, x, states, hparams, rule)
+
+
+@wgrad_update_.register_fake
+def _(weight, dy_t, x, states, hparams, rule):
+    return None

@@ -1,0 +1,96 @@
+"""Element-wise optimizer rules: the one description of an update that every path uses.
+
+A rule is a pure torch function ``fn(param, grad, *states, *hparams) -> (new_param, *new_states)``.
+It is the reference (eager optimizers, unfused parameters, tests) and the source from which the fused
+epilogue is generated, so the fused and unfused updates are the same function.
+
+Conventions every rule follows so that it can be fused:
+- ``param``, ``grad`` and the tensor states have the parameter's shape (fp32);
+- ``scalar_states`` (e.g. ``step``) are 0-dim float32 CPU tensors, as torch.optim keeps them;
+- hyper-parameters are 0-dim float64 CPU tensors (Python-float precision for lr, betas, ...), so a
+  scheduler never forces a retrace and host-side arithmetic matches torch.optim's float math;
+- only element-wise ops; Python control flow only on structural flags baked into the rule's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Rule", "register_rule", "get_rule", "apply_rule_"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    fn: Callable[..., Sequence[torch.Tensor]]
+    states: tuple[str, ...] = ()
+    scalar_states: tuple[str, ...] = ()
+    hparams: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = set(self.scalar_states) - set(self.states)
+        if unknown:
+            raise ValueError(f"rule {self.name!r}: scalar_states {sorted(unknown)} are not in states")
+
+    def is_scalar_state(self, i: int) -> bool:
+        return self.states[i] in self.scalar_states
+
+    def apply(self, param, grad, states, hparams):
+        """Run the rule eagerly and write the results back in place (the reference update)."""
+        out = self.fn(param, grad, *states, *hparams)
+        if len(out) != 1 + len(states):
+            raise RuntimeError(
+                f"rule {self.name!r} returned {len(out)} tensors, expected {1 + len(states)}"
+            )
+        param.copy_(out[0])
+        for s, new in zip(states, out[1:]):
+            s.copy_(new)
+
+
+_RULES: dict[str, Rule] = {}
+_LOCK = threading.Lock()
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Make ``rule`` known by name to the fused op. Re-registering the same function is a no-op."""
+    with _LOCK:
+        old = _RULES.get(rule.name)
+        if old is not None and old != rule:
+            raise ValueError(f"a different rule is already registered as {rule.name!r}")
+        _RULES[rule.name] = rule
+    return rule
+
+
+def get_rule(name: str) -> Rule:
+    try:
+        return _RULES[name]
+    except KeyError:
+        raise KeyError(f"forge: no optimizer rule registered as {name!r}") from None
+
+
+# The per-parameter update op the capture emits. The pass matches it (with the mm feeding its grad)
+# instead of the rule's decomposed element-wise ops, which differ between torch versions. Whatever the
+# pass leaves unfused is decomposed back into the rule's element-wise ops before Inductor sees it.
+@torch.library.custom_op("forge::apply_rule_", mutates_args=("param", "states"))
+def apply_rule_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    hparams: list[torch.Tensor],
+    rule: str,
+) -> None:
+    with torch.no_grad():
+        get_rule(rule).apply(param, grad, states, hparams)
+
+
+@apply_rule_.register_fake
+def _(param, grad, states, hparams, rule):
+    return None
+
+
+def decompose_apply_rule(param, grad, states, hparams, rule):
+    """Decomposition used when re-tracing: the rule's ops plus copy_ back into param and states."""
+    get_rule(rule).apply(param, grad, list(states), list(hparams))

@@ -1,0 +1,3 @@
+from .wgrad_update_pattern import FusionDecision, rewrite_wgrad_updates
+
+__all__ = ["FusionDecision", "rewrite_wgrad_updates"]

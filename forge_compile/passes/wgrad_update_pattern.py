@@ -1,0 +1,242 @@
+"""The FORGE pass: ``mm -> (transposes, views, upcast) -> forge::apply_rule_`` becomes one
+``forge::wgrad_update_`` that updates W and its states in place and never materializes dW.
+
+It runs on the pre-Inductor whole-step graph (make_fx output, mutations still explicit), where
+every optimizer update is one opaque ``apply_rule_`` node. A parameter is fused only when doing so is
+exact; otherwise it keeps the normal path and its ``FusionDecision`` says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..optim.rule import get_rule
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+__all__ = ["FusionDecision", "rewrite_wgrad_updates", "should_fuse_wgrad_update"]
+
+counters: Counter = Counter()
+
+_APPLY = torch.ops.forge.apply_rule_.default
+
+# Ops that only re-label the gradient on its way from the mm to the update.
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+_IDENTITIES = {aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+               aten.reshape.default, aten.clone.default}
+_UPCAST = aten._to_copy.default
+# Ops through which W is viewed (not read) in the forward/backward.
+_VIEW_OPS = _TRANSPOSES | {aten.detach.default, aten.alias.default, aten.view.default,
+                           aten._unsafe_view.default, aten.expand.default, aten.slice.Tensor,
+                           aten.select.int, aten.as_strided.default, aten.unsqueeze.default,
+                           aten.squeeze.dim, aten.squeeze.default}
+_FUSED_DTYPES_IN = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class FusionDecision:
+    name: str
+    shape: tuple
+    rule: str
+    fused: bool
+    reason: str
+    dw_bytes_saved: int = 0
+
+
+@dataclasses.dataclass
+class _Match:
+    apply: fx.Node
+    mm: fx.Node
+    chain: list          # gradient-path nodes from the mm's user to the apply's grad input
+    transposed: bool     # dW == mm(...)^T
+
+
+def _meta(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.transpose.int:
+        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
+    if node.target is aten.permute.default:
+        return list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+    return False
+
+
+def _describe_users(node: fx.Node, exclude) -> str:
+    names = sorted({str(getattr(u.target, "__name__", u.target)) for u in node.users if u is not exclude})
+    return ", ".join(names)
+
+
+def match_wgrad_update(apply: fx.Node) -> tuple[Optional[_Match], str]:
+    """Walk back from the update's gradient to the matmul producing it."""
+    grad = apply.args[1]
+    chain = []
+    transposed = False
+    cur, consumer = grad, apply
+    while True:
+        if not isinstance(cur, fx.Node):
+            return None, "gradient is not a graph value"
+        others = [u for u in cur.users if u is not consumer]
+        if others:
+            return None, (f"gradient is also read by {_describe_users(cur, consumer)} "
+                          "(e.g. clip_grad_norm_ or a logged gradient norm)")
+        if cur.target is aten.mm.default:
+            return _Match(apply, cur, chain, transposed), ""
+        if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target is not _UPCAST:
+            return None, f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
+        if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
+            transposed = not transposed
+        elif cur.target in _IDENTITIES:
+            src, dst = _meta(cur.args[0]), _meta(cur)
+            if src is None or dst is None or tuple(src.shape) != tuple(dst.shape):
+                return None, f"gradient is reshaped by {cur.target} on its way from the matmul"
+        elif cur.target is _UPCAST:
+            src, dst = _meta(cur.args[0]), _meta(cur)
+            if src is None or dst is None or src.device != dst.device or dst.dtype != torch.float32:
+                return None, f"gradient passes through an unsupported conversion {cur.target}"
+        elif cur.target in (aten.add.Tensor, aten.add_.Tensor):
+            return None, "gradient sums several contributions (shared or tied weight)"
+        elif cur.op == "placeholder":
+            return None, "gradient is a graph input"
+        else:
+            return None, f"gradient is produced by {cur.target}, not by a matmul"
+        chain.append(cur)
+        consumer, cur = cur, cur.args[0]
+
+
+def _aliases(node: fx.Node) -> set:
+    """``node`` and every view of it (reads through a view are reads of the tensor)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.target in _VIEW_OPS and u.args and u.args[0] is n:
+                todo.append(u)
+    return seen
+
+
+def _readers(nodes: set) -> list:
+    return [u for n in nodes for u in n.users if u not in nodes]
+
+
+def should_fuse_wgrad_update(match: _Match, order: dict) -> tuple[bool, str, Optional[fx.Node]]:
+    """Exactness and support checks; returns (fuse?, reason, node after which the fused op goes)."""
+    apply = match.apply
+    weight, _, states, hparams, rule_name = apply.args
+    w = _meta(weight)
+    if w is None or w.dim() != 2:
+        return False, "parameter is not 2-D", None
+    if w.dtype != torch.float32:
+        return False, f"parameter dtype {w.dtype} (fused updates need fp32 master weights)", None
+    if not w.is_contiguous():
+        return False, "parameter is not contiguous", None
+    if w.device.type not in ("cpu", "cuda"):
+        return False, f"device {w.device.type} has no fused kernel", None
+    rule = get_rule(rule_name)
+    for i, s in enumerate(states):
+        sv = _meta(s)
+        if rule.is_scalar_state(i):
+            if sv is None or sv.dim() != 0 or sv.device.type != "cpu":
+                return False, f"scalar state {rule.states[i]!r} is not a 0-dim CPU tensor", None
+        elif sv is None or tuple(sv.shape) != tuple(w.shape) or sv.dtype != torch.float32 or not sv.is_contiguous():
+            return False, f"state {rule.states[i]!r} is not an fp32 contiguous tensor shaped like the parameter", None
+    a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
+    if a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
+        return False, f"matmul operands are {a.dtype}/{b.dtype}", None
+    if w.device.type == "cuda":
+        from ..kernels import epilogue_supported
+
+        ok, why = epilogue_supported(rule)
+        if not ok:
+            return False, why, None
+
+    apply_pos = order[apply]
+    w_alias = _aliases(weight)
+    tracked = set(w_alias)
+    for s in states:
+        tracked |= _aliases(s)
+    after = [r for r in _readers(tracked) if r is not apply and order[r] > apply_pos]
+    if after:
+        return False, f"W is read after its update (by {after[0].target})", None
+    # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update.
+    before = [r for r in _readers(tracked) if r is not apply and order[r] < apply_pos]
+    anchor = max([match.mm] + before, key=lambda n: order[n])
+    # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
+    return True, "", anchor
+
+
+def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True) -> list:
+    """Rewrite the graph in place. ``names`` maps placeholder nodes to parameter names.
+
+    Returns one FusionDecision per ``apply_rule_`` node (i.e. per updated parameter).
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    decisions = []
+    rewrites = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _APPLY:
+            continue
+        weight = node.args[0]
+        w = _meta(weight)
+        name = names.get(weight, weight.name)
+        shape = tuple(w.shape) if w is not None else ()
+        rule = node.args[4]
+        if not fuse:
+            decisions.append(FusionDecision(name, shape, rule, False, "fusion disabled (fuse=False)"))
+            continue
+        if w is None or w.dim() != 2:
+            decisions.append(FusionDecision(name, shape, rule, False, "not a matrix (normal path)"))
+            continue
+        match, reason = match_wgrad_update(node)
+        anchor = None
+        if match is not None:
+            ok, reason, anchor = should_fuse_wgrad_update(match, order)
+            if not ok:
+                match = None
+        if match is None:
+            counters["unfused"] += 1
+            decisions.append(FusionDecision(name, shape, rule, False, reason))
+            continue
+        saved = w.numel() * 4
+        decisions.append(FusionDecision(name, shape, rule, True, "", saved))
+        rewrites.append((match, anchor))
+
+    for match, anchor in rewrites:
+        apply = match.apply
+        weight, _, states, hparams, rule = apply.args
+        a, b = match.mm.args
+        with graph.inserting_after(anchor):
+            if match.transposed:
+                dy_t = graph.call_function(aten.t.default, (b,))
+                with graph.inserting_after(dy_t):
+                    x = graph.call_function(aten.t.default, (a,))
+            else:
+                dy_t, x = a, b
+            last = x if match.transposed else anchor
+            with graph.inserting_after(last):
+                fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
+                                            (weight, dy_t, x, states, hparams, rule))
+        for n in (dy_t, x, fused):
+            if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
+                n.meta["forge"] = "wgrad_update"
+        graph.erase_node(apply)
+        for n in match.chain + [match.mm]:
+            if not n.users:
+                graph.erase_node(n)
+        counters["fused"] += 1
+    graph.lint()
+    gm.recompile()
+    return decisions
