@@ -56,3 +56,31 @@ def aot_autograd(**kwargs):
 
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def compile_fx_with_inner(gm, example_inputs, inner_compile):
+    """Inductor's AOTAutograd entry with our own ``inner_compile`` (sees ``is_backward=True`` for the
+    backward graph). The AOTAutograd cache is off: a cache hit would skip ``inner_compile`` and hand back
+    a backward without forge's extra inputs."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    with functorch_config.patch(enable_autograd_cache=False):
+        return _compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def compile_fx_inner(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner as _inner
+
+    return _inner(gm, example_inputs, **kwargs)
+
+
+def detect_fake_mode(inputs):
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(inputs)
+
+
+def auto_functionalized():
+    """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
+    return torch.ops.higher_order.auto_functionalized

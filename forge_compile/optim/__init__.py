@@ -1,3 +1,31 @@
+from .lion import Lion, RuleOptimizer
 from .rule import Rule, get_rule, register_rule
+from .rules import adagrad_rule, adam_rule, adamw_rule, lion_rule, rmsprop_rule, sgd_rule
+from .translate import (
+    ParamPlan,
+    UnsupportedOptimizerError,
+    hparam_values,
+    plan_optimizer,
+    prepare_states,
+    structure_key,
+)
 
-__all__ = ["Rule", "get_rule", "register_rule"]
+__all__ = [
+    "Lion",
+    "ParamPlan",
+    "Rule",
+    "RuleOptimizer",
+    "UnsupportedOptimizerError",
+    "adagrad_rule",
+    "adam_rule",
+    "adamw_rule",
+    "get_rule",
+    "hparam_values",
+    "lion_rule",
+    "plan_optimizer",
+    "prepare_states",
+    "register_rule",
+    "rmsprop_rule",
+    "sgd_rule",
+    "structure_key",
+]

@@ -1,0 +1,297 @@
+"""torch.optim optimizers -> forge rules, per parameter, with the state kept in torch.optim's format.
+
+``plan_optimizer`` only reads: it decides everything (and refuses what forge cannot reproduce) before
+any state exists, so a refusal leaves the optimizer as it was. ``prepare_states`` then creates the
+state exactly as the optimizer's own first ``step`` would, so ``state_dict()`` keeps loading into a
+plain torch.optim optimizer, which continues the same training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .lion import RuleOptimizer, _as_float
+from .rule import Rule
+from .rules import adagrad_rule, adam_rule, rmsprop_rule, sgd_rule
+
+__all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states",
+           "hparam_values", "structure_key"]
+
+log = logging.getLogger(__name__)
+
+
+class UnsupportedOptimizerError(TypeError):
+    pass
+
+
+class _Refuse(Exception):
+    """Why a group cannot be translated; turned into UnsupportedOptimizerError with the class name."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamPlan:
+    param: torch.nn.Parameter
+    group_index: int
+    rule: Rule
+
+
+# -- per optimizer: the group's rule, its state, its hyper-parameters ----------------------------------
+
+def _flag_off(group, *names):
+    for n in names:
+        if group.get(n):
+            raise _Refuse(f"{n}=True is not supported (forge fuses the update itself; use {n}=False)")
+
+
+def _nonzero(v) -> bool:
+    return _as_float(v) != 0.0
+
+
+def _zeros(p):
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _cpu_step(state):
+    """``step`` as torch.optim's non-capturable optimizers keep it (a checkpoint of a fused or
+    capturable optimizer leaves it on the device, an old one as a number)."""
+    s = state["step"]
+    if not (isinstance(s, torch.Tensor) and s.dim() == 0 and s.dtype == torch.float32
+            and s.device.type == "cpu"):
+        state["step"] = torch.tensor(_as_float(s), dtype=torch.float32)
+    return state["step"]
+
+
+# SGD's first step sets buf = clone(grad). forge starts from a zero buffer instead and passes
+# dampening 0 for that step (0 * m + 1 * g == g). A buffer is "fresh" while its version counter is
+# where prepare_states left it: any update (eager copy_ or a compiled graph's in-place write) bumps
+# it, so asking for the hyper-parameters twice, or for a parameter that got no gradient, stays right.
+_FRESH_BUFFERS = WeakIdKeyDictionary()
+
+
+def _sgd_rule(opt, group):
+    _flag_off(group, "differentiable", "fused")
+    return sgd_rule(momentum=_nonzero(group["momentum"]), nesterov=bool(group["nesterov"]),
+                    weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
+
+
+def _sgd_states(opt, group, p, rule):
+    if not rule.states:
+        return []       # torch keeps no SGD state without momentum
+    state = opt.state[p]
+    if state.get("momentum_buffer") is None:
+        buf = state["momentum_buffer"] = _zeros(p)
+        _FRESH_BUFFERS[buf] = buf._version
+    return [state["momentum_buffer"]]
+
+
+def _sgd_hparams(opt, group, p, rule):
+    h = {"lr": group["lr"], "weight_decay": group["weight_decay"], "momentum": group["momentum"],
+         "dampening": group["dampening"]}
+    if rule.states:
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None and _FRESH_BUFFERS.get(buf) == buf._version:
+            h["dampening"] = 0.0
+    return [_as_float(h[n]) for n in rule.hparams]
+
+
+def _adam_rule(opt, group):
+    _flag_off(group, "differentiable", "fused", "capturable")
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
+    return adam_rule(amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+                     weight_decay=_nonzero(group["weight_decay"]), decoupled=decoupled)
+
+
+def _adam_init(opt, group, p, state):
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["exp_avg"] = _zeros(p)
+    state["exp_avg_sq"] = _zeros(p)
+
+
+def _adam_hparams(opt, group, p, rule):
+    b1, b2 = group["betas"]
+    h = {"lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
+         "weight_decay": group["weight_decay"]}
+    return [_as_float(h[n]) for n in rule.hparams]
+
+
+def _adagrad_rule(opt, group):
+    _flag_off(group, "differentiable", "fused")
+    return adagrad_rule(weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
+
+
+def _adagrad_init(opt, group, p, state):
+    # Adagrad fills its state at construction; a param added later is filled from the optimizer's
+    # defaults, not its group's -- as torch's _init_group does.
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["sum"] = torch.full_like(p, opt.defaults["initial_accumulator_value"],
+                                   memory_format=torch.preserve_format)
+
+
+def _group_hparams(opt, group, p, rule):
+    return [_as_float(group[n]) for n in rule.hparams]
+
+
+def _rmsprop_rule(opt, group):
+    _flag_off(group, "differentiable", "capturable")
+    return rmsprop_rule(centered=bool(group["centered"]), momentum=_as_float(group["momentum"]) > 0,
+                        weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
+
+
+def _rmsprop_init(opt, group, p, state):
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["square_avg"] = _zeros(p)
+
+
+def _torch_states(init):
+    """States of a torch optimizer that creates all of them when ``len(state) == 0``; a missing
+    optional one (e.g. amsgrad switched on later) starts at zero."""
+    def states(opt, group, p, rule):
+        state = opt.state[p]
+        if len(state) == 0:
+            init(opt, group, p, state)
+        for name in rule.states:
+            if name not in state:
+                state[name] = torch.tensor(0.0) if name in rule.scalar_states else _zeros(p)
+        if "step" in rule.states:
+            _cpu_step(state)
+        return [state[n] for n in rule.states]
+    return states
+
+
+@dataclasses.dataclass(frozen=True)
+class _Adapter:
+    base: type
+    rule: Callable           # (opt, group) -> Rule, raises _Refuse
+    states: Callable         # (opt, group, p, rule) -> list[Tensor]
+    hparams: Callable        # (opt, group, p, rule) -> list[float]
+
+
+_ADAPTERS = [   # most derived first: AdamW is an Adam
+    _Adapter(torch.optim.SGD, _sgd_rule, _sgd_states, _sgd_hparams),
+    _Adapter(torch.optim.AdamW, _adam_rule, _torch_states(_adam_init), _adam_hparams),
+    _Adapter(torch.optim.Adam, _adam_rule, _torch_states(_adam_init), _adam_hparams),
+    _Adapter(torch.optim.Adagrad, _adagrad_rule, _torch_states(_adagrad_init), _group_hparams),
+    _Adapter(torch.optim.RMSprop, _rmsprop_rule, _torch_states(_rmsprop_init), _group_hparams),
+    _Adapter(RuleOptimizer,
+             lambda opt, group: opt.group_rule(group),
+             lambda opt, group, p, rule: opt.state_tensors(p, group),
+             lambda opt, group, p, rule: opt.group_hparams(group)),
+]
+
+
+def _raw(f):
+    """The function under torch's profiling/grad-mode wrappers and an LR scheduler's step counter."""
+    f = inspect.unwrap(f)
+    return inspect.unwrap(getattr(f, "__func__", f))
+
+
+def _adapter(opt) -> _Adapter:
+    cls = type(opt)
+    for a in _ADAPTERS:
+        if isinstance(opt, a.base):
+            # A subclass may add anything; forge reproduces only the base's update, so the update
+            # itself must be the base's.
+            for meth in ("step", "_init_group"):
+                if hasattr(a.base, meth) and _raw(getattr(cls, meth)) is not _raw(getattr(a.base, meth)):
+                    raise _Refuse(f"it overrides {meth}() of {a.base.__name__}, so forge cannot know "
+                                  "its update")
+            own = vars(opt).get("step")
+            if own is not None and _raw(own) is not _raw(getattr(a.base, "step")):
+                raise _Refuse("its step() was replaced on the instance")
+            return a
+    raise _Refuse("forge translates only torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, forge's Lion "
+                  "and RuleOptimizer (write an element-wise Rule and use RuleOptimizer for others)")
+
+
+def _fail(opt, why) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(f"forge: cannot fuse the update of {type(opt).__name__}: {why}")
+
+
+def _group_rules(opt) -> tuple[_Adapter, list[Rule]]:
+    try:
+        a = _adapter(opt)
+        rules = []
+        for i, group in enumerate(opt.param_groups):
+            try:
+                rules.append(a.rule(opt, group))
+            except KeyError as e:
+                raise _Refuse(f"param group {i} lacks {e.args[0]!r}") from None
+            except _Refuse as e:
+                raise _Refuse(f"param group {i}: {e}") from None
+    except _Refuse as e:
+        raise _fail(opt, e) from None
+    return a, rules
+
+
+_WARNED_HOOKS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+# -- public --------------------------------------------------------------------------------------------
+
+def plan_optimizer(optimizer: torch.optim.Optimizer) -> list[ParamPlan]:
+    """One ParamPlan per parameter; raises UnsupportedOptimizerError before touching any state."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"forge: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _, rules = _group_rules(optimizer)
+    plans = []
+    for i, (group, rule) in enumerate(zip(optimizer.param_groups, rules)):
+        for p in group["params"]:
+            if p.is_complex():
+                raise _fail(optimizer, f"param group {i} holds a complex parameter")
+            if p.grad is not None and p.grad.is_sparse:
+                raise _fail(optimizer, f"param group {i} holds a parameter with a sparse gradient")
+            plans.append(ParamPlan(p, i, rule))
+    if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks) and (
+            optimizer not in _WARNED_HOOKS):
+        _WARNED_HOOKS.add(optimizer)    # planned again at every step: say it once
+        log.warning("forge: %s has step hooks; the fused update does not run them",
+                    type(optimizer).__name__)
+    return plans
+
+
+def prepare_states(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[torch.Tensor]:
+    """``optimizer.state[plan.param]`` in torch.optim's format (created if missing), as the list of
+    the rule's states in ``plan.rule.states`` order."""
+    a = _adapter_or_fail(optimizer)
+    group = optimizer.param_groups[plan.group_index]
+    states = a.states(optimizer, group, plan.param, plan.rule)
+    p = plan.param
+    for name, s in zip(plan.rule.states, states):
+        want = ((), torch.float32, torch.device("cpu")) if name in plan.rule.scalar_states else (
+            p.shape, p.dtype, p.device)
+        if (s.shape, s.dtype, s.device) != want:
+            raise ValueError(f"forge: {type(optimizer).__name__} state {name!r} of a parameter of shape "
+                             f"{tuple(p.shape)} is {tuple(s.shape)} {s.dtype} on {s.device}, expected "
+                             f"{tuple(want[0])} {want[1]} on {want[2]}")
+    return states
+
+
+def hparam_values(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[float]:
+    """The hyper-parameters for the step about to run, in ``plan.rule.hparams`` order, read from the
+    param group now (so schedulers apply). Call after ``prepare_states``."""
+    a = _adapter_or_fail(optimizer)
+    group = optimizer.param_groups[plan.group_index]
+    return a.hparams(optimizer, group, plan.param, plan.rule)
+
+
+def structure_key(optimizer: torch.optim.Optimizer) -> tuple:
+    """Everything about ``optimizer`` a traced step depends on besides tensor values."""
+    _, rules = _group_rules(optimizer)
+    cls = type(optimizer)
+    return (f"{cls.__module__}.{cls.__qualname__}",) + tuple(
+        (rule.name, tuple(id(p) for p in group["params"]))
+        for group, rule in zip(optimizer.param_groups, rules))
+
+
+def _adapter_or_fail(opt) -> _Adapter:
+    try:
+        return _adapter(opt)
+    except _Refuse as e:
+        raise _fail(opt, e) from None

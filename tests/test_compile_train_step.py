@@ -1,0 +1,314 @@
+"""forge.compile_train_step vs the same model trained eagerly with torch.optim."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import forge_compile as forge
+from models import MLP, Block, TinyLM
+
+# Tolerances: the fused path computes the same update function, but its matmuls (row blocks of dW,
+# whole-graph Inductor kernels for the rest) sum in another order than eager torch, and fp32 rounding
+# differences are amplified by Adam's 1/sqrt(v) over 6 steps. 1e-5 relative to the tensor's scale
+# is far below any real bug (a wrong hyper-parameter or a skipped step moves values by >1e-3).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _optimizers():
+    return {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=0.01),
+        "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        "sgd_nesterov_damp": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        "sgd_dampening": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
+        "rmsprop_centered": lambda p: torch.optim.RMSprop(p, lr=1e-3, centered=True, momentum=0.5),
+        "lion": lambda p: forge.optim.Lion(p, lr=1e-3, weight_decay=0.1),
+    }
+
+
+def _assert_same_training(model, opt, ref, ref_opt, tag="", atol=ATOL):
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"{tag} param {n}: {m}")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        s, r = opt.state[p], ref_opt.state[q]
+        assert set(s) == set(r), (n, set(s), set(r))
+        for k in r:
+            if isinstance(r[k], torch.Tensor):
+                assert s[k].dtype == r[k].dtype and s[k].device == r[k].device, (n, k)
+                torch.testing.assert_close(s[k], r[k], rtol=RTOL, atol=atol, msg=lambda m: f"{tag} {n}.{k}: {m}")
+
+
+def _train_both(make_model, make_opt, make_batch, loss_fn, steps=6, **step_kw):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+
+    @forge.compile_train_step(**step_kw)
+    def train_step(x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses = []
+    for _ in range(steps):
+        x, y = make_batch()
+        loss = train_step(x, y)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        losses.append(loss.item())
+    return model, opt, ref, ref_opt, train_step
+
+
+def _mlp_batch():
+    return torch.randn(8, 16), torch.randn(8, 8)
+
+
+@pytest.mark.parametrize("name", list(_optimizers()))
+def test_mlp_matches_torch_optim(name):
+    model, opt, ref, ref_opt, step = _train_both(MLP, _optimizers()[name], _mlp_batch, F.mse_loss)
+    # Centered RMSprop divides by sqrt(v - m^2), which cancels catastrophically for small
+    # gradients: Inductor's fused (unfused-path) kernels reorder that arithmetic, so entries near
+    # zero differ by ~2e-6 absolute after 6 steps (measured). Everything else holds 1e-6.
+    _assert_same_training(model, opt, ref, ref_opt, name, atol=1e-5 if name == "rmsprop_centered" else ATOL)
+    rep = step.last_report
+    assert [r.name for r in rep.fused] == ["model.fc1.weight", "model.fc2.weight"]
+    assert all(p.grad is None for p in model.parameters())
+    assert step.compile_count == 1
+
+
+def test_user_rule_is_fused_and_matches_eager():
+    def signum_momentum(p, g, buf, lr, beta):
+        buf = beta * buf + (1 - beta) * g
+        return p - lr * torch.sign(buf), buf
+
+    rule = forge.optim.register_rule(forge.Rule("test_signum", signum_momentum, states=("buf",),
+                                                hparams=("lr", "beta")))
+    make = lambda p: forge.optim.RuleOptimizer(p, rule, lr=1e-2, beta=0.9)
+    model, opt, ref, ref_opt, step = _train_both(MLP, make, _mlp_batch, F.mse_loss)
+    _assert_same_training(model, opt, ref, ref_opt, "user rule")
+    assert len(step.last_report.fused) == 2
+
+
+def _lm_batch(vocab=40, b=2, t=12):
+    idx = torch.randint(0, vocab, (b, t + 1))
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def test_transformer_block_matches_torch_optim():
+    model, opt, ref, ref_opt, step = _train_both(
+        TinyLM, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), _lm_batch, _lm_loss)
+    _assert_same_training(model, opt, ref, ref_opt, "lm")
+    fused = {r.name for r in step.last_report.fused}
+    assert fused == {"model.block.qkv.weight", "model.block.proj.weight", "model.block.up.weight",
+                     "model.block.down.weight", "model.head.weight"}
+    assert step.last_report.row("model.emb.weight").fused is False
+
+
+def test_bf16_autocast_cpu_fuses_and_trains_close():
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+
+    @forge.compile_train_step
+    def train_step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(4):
+        x, y = _lm_batch()
+        train_step(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rl = _lm_loss(ref(x), y)
+        rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert len(train_step.last_report.fused) == 5
+    # bf16 activations: eager rounds dW to bf16 before the fp32 update, the fused op does not, and
+    # Inductor fuses bf16 ops differently; Adam normalizes so steps are ~lr: allow a few lr-sized
+    # differences over 4 steps while still catching a wrong update (which would diverge by >>lr).
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a - b).abs().max().item() < 4 * 3e-3
+
+
+def test_unfused_cases_are_left_alone_with_reasons():
+    # tied weight: the embedding and the head share a matrix -> two gradient contributions
+    model = TinyLM(tied=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def tied_step(x, y):
+        loss = _lm_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    rep = forge.explain(tied_step, *_lm_batch())
+    row = rep.row("model.emb.weight")
+    assert not row.fused and "several contributions" in row.reason
+    assert not opt.state, "explain must not create optimizer state"
+
+    mlp = MLP()
+    opt2 = torch.optim.SGD(mlp.parameters(), lr=0.1, momentum=0.9)
+
+    def clipped_step(x, y):
+        loss = F.mse_loss(mlp(x), y); loss.backward()
+        torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1.0)
+        opt2.step(); opt2.zero_grad(); return loss
+
+    rep = forge.explain(clipped_step, *_mlp_batch())
+    assert not rep.fused
+    assert all("clip_grad_norm_" in r.reason for r in rep.rows if r.name.endswith("weight")), str(rep)
+
+    def read_after_step(x, y):
+        loss = F.mse_loss(mlp(x), y); loss.backward(); opt2.step(); opt2.zero_grad()
+        return loss, mlp.fc1.weight.norm()
+
+    rep = forge.explain(read_after_step, *_mlp_batch())
+    assert not rep.row("mlp.fc1.weight").fused and "read after its update" in rep.row("mlp.fc1.weight").reason
+    assert rep.row("mlp.fc2.weight").fused
+
+
+def test_unfused_cases_still_train_like_eager():
+    def make_step(model, opt):
+        def step(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step(); opt.zero_grad()
+            return loss, model.fc1.weight.sum()
+        return step
+
+    model = MLP(); ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    fstep, rstep = forge.compile_train_step(make_step(model, opt)), make_step(ref, ref_opt)
+    for _ in range(4):
+        x, y = _mlp_batch()
+        (l, s), (rl, rs) = fstep(x, y), rstep(x, y)
+        torch.testing.assert_close(s, rs.detach(), rtol=RTOL, atol=1e-5)
+    _assert_same_training(model, opt, ref, ref_opt, "clip")
+
+
+def test_state_dict_round_trip_and_scheduler_without_recompile():
+    def run(model, opt, sched, batches, compiled):
+        def step(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        step = forge.compile_train_step(step) if compiled else step
+        for x, y in batches:
+            step(x, y); sched.step()
+        return step
+
+    batches = [_mlp_batch() for _ in range(8)]
+    model = MLP(); start = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    step = run(model, opt, sched, batches[:4], True)
+    assert step.compile_count == 1, "a scheduler's lr change must not recompile"
+    ckpt = copy.deepcopy({"m": model.state_dict(), "o": opt.state_dict(), "s": sched.state_dict()})
+
+    # resume in a fresh model/optimizer/scheduler, continue with forge
+    m2 = MLP(); m2.load_state_dict(ckpt["m"])
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2); o2.load_state_dict(ckpt["o"])
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.5); s2.load_state_dict(ckpt["s"])
+    run(m2, o2, s2, batches[4:], True)
+    # uninterrupted forge run, and uninterrupted eager torch.optim run
+    m3 = MLP(); m3.load_state_dict(start)
+    o3 = torch.optim.AdamW(m3.parameters(), lr=1e-2)
+    s3 = torch.optim.lr_scheduler.StepLR(o3, step_size=2, gamma=0.5)
+    run(m3, o3, s3, batches, True)
+    m4 = MLP(); m4.load_state_dict(start)
+    o4 = torch.optim.AdamW(m4.parameters(), lr=1e-2)
+    s4 = torch.optim.lr_scheduler.StepLR(o4, step_size=2, gamma=0.5)
+    run(m4, o4, s4, batches, False)
+    for a, b, c in zip(m2.parameters(), m3.parameters(), m4.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)   # same graph, same inputs: bit-identical
+        torch.testing.assert_close(a, c, rtol=RTOL, atol=ATOL)
+    assert o2.state_dict()["state"][0]["step"].item() == 8
+
+
+def test_changed_shapes_recapture_and_changed_optimizer_structure_guards():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step(*_mlp_batch())
+    step(*_mlp_batch())
+    assert step.compile_count == 1
+    step(torch.randn(5, 16), torch.randn(5, 8))
+    assert step.compile_count == 2
+    opt.param_groups[0]["momentum"] = 0.9     # structural: SGD now needs a momentum buffer
+    step(*_mlp_batch())
+    assert step.compile_count == 3 and "momentum_buffer" in opt.state[model.fc1.weight]
+
+
+def test_unsupported_optimizer_errors_before_touching_anything():
+    model = MLP()
+    opt = torch.optim.LBFGS(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(lambda: loss); return loss
+
+    with pytest.raises(forge.UnsupportedOptimizerError, match="LBFGS"):
+        step(*_mlp_batch())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state
+
+
+def test_no_parameter_or_state_is_cloned_by_inductor():
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = _lm_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step(*_lm_batch())
+    from forge_compile import _compat
+    assert _compat.reinplace_missed_bytes() == 0
+    assert not any("cloned" in n for n in step.last_report.notes)
+
+
+def test_dump_dir_writes_graphs_and_report(tmp_path):
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @forge.compile_train_step(dump_dir=str(tmp_path))
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step(*_mlp_batch())
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert any(f.endswith("captured.py") for f in files) and any(f.endswith("rewritten.py") for f in files)
+    rewritten = next(tmp_path.glob("*rewritten.py")).read_text()
+    assert rewritten.count("forge.wgrad_update_") == 2
+    assert "model.fc1.weight" in next(tmp_path.glob("*report.txt")).read_text()
+
+
+def test_explain_changes_no_tensor():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = copy.deepcopy(model.state_dict())
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    rep = forge.explain(step, *_mlp_batch())
+    assert "model.fc1.weight" in str(rep) and rep.dw_bytes_saved == (32 * 16 + 8 * 32) * 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert not opt.state and all(p.grad is None for p in model.parameters())

@@ -1,0 +1,109 @@
+"""examples/train_lm.py: a few steps per route, save/resume equals an uninterrupted run, --compare.
+
+Each run is the tiny preset shrunk further (1 layer, seq 32, batch 2, one eval batch) so that a test
+spends its time compiling, not training; on 2 CPU cores each test stays well under a minute.
+"""
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+import train_lm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+
+TINY = ["--size", "tiny", "--n-layers", "1", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0",
+        "--eval-batches", "1", "--max-data-mb", "0.25", "--device", "cpu", "--quiet"]
+HAS_BACKEND = importlib.util.find_spec("forge_compile.backend") is not None
+
+
+def run(*extra):
+    return train_lm.main([*TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def step_run_4():
+    """Route step, 4 steps, uninterrupted: shared by the route test and the resume test."""
+    return run("--route", "step", "--steps", "4")
+
+
+def _check_result(r, steps):
+    assert len(r["losses"]) == steps
+    assert all(math.isfinite(l) for l in r["losses"])
+    assert math.isfinite(r["val_loss"]) and r["peak_memory_bytes"] > 0
+    assert r["tokens_per_s"] > 0
+    assert 0 < r["unigram_entropy"] < math.log(256)
+
+
+def test_route_step(step_run_4):
+    _check_result(step_run_4, 4)
+    # untrained byte model: loss starts near ln(256)
+    assert abs(step_run_4["losses"][0] - math.log(256)) < 0.5
+    report = step_run_4["fusion_report"]
+    assert "forge fusion report" in report and "model.lm_head.weight" in report
+
+
+def test_route_off_matches_step(step_run_4):
+    r = run("--route", "off", "--steps", "4")
+    _check_result(r, 4)
+    assert r["fusion_report"] is None
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_BACKEND, reason="forge_compile.backend (the Dynamo route) does not exist yet")
+def test_route_backend(step_run_4):
+    r = run("--route", "backend", "--steps", "4")
+    _check_result(r, 4)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(HAS_BACKEND, reason="forge_compile.backend exists (test_route_backend runs it)")
+def test_route_backend_missing_is_a_clear_error():
+    with pytest.raises(SystemExit, match="forge_compile.backend"):
+        run("--route", "backend", "--steps", "1")
+
+
+def test_resume_equals_uninterrupted(step_run_4, tmp_path):
+    ck = str(tmp_path / "ck.pt")
+    first = run("--route", "step", "--steps", "4", "--stop-after", "2", "--save", ck)
+    assert first["losses"] == step_run_4["losses"][:2]
+    resumed = run("--route", "step", "--steps", "4", "--resume", ck)
+    # bit-identical on CPU fp32: model, AdamW state, LR schedule and data order all continue exactly
+    assert resumed["losses"] == step_run_4["losses"]
+    assert resumed["val_loss"] == step_run_4["val_loss"]
+
+
+def test_compare_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = str(tmp_path / "compare.png")
+    r = run("--compare", "--steps", "3", "--plot", png)
+    assert os.path.getsize(png) > 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert r["agree"] is True and r["max_abs_diff"] < 1e-3
+    assert len(r["forge"]["losses"]) == len(r["baseline"]["losses"]) == 3
+
+
+def test_data_and_schedule_are_deterministic():
+    args = train_lm.parse_args(TINY + ["--steps", "10"])
+    train, val, _ = train_lm.load_data(args)
+    assert train.dtype == torch.uint8 and len(val) >= 0.05 * (len(train) + len(val)) - 1
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    x1, y1 = train_lm.get_batch(train, 2, 32, g1, "cpu")
+    x2, y2 = train_lm.get_batch(train, 2, 32, g2, "cpu")
+    assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+    model = train_lm.build_model(args)
+    opt = train_lm.make_optimizer(model, args)
+    sched = train_lm.make_scheduler(opt, args)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert max(lrs) == pytest.approx(args.lr) and lrs[-1] < lrs[1]
+    assert model(x1).shape == (2, 32, 256)
