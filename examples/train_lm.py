@@ -574,5 +574,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("forge_compile").setLevel(logging.WARNING)   # its report is printed at the end
     out = main()
     sys.exit(1 if isinstance(out, dict) and out.get("agree") is False else 0)

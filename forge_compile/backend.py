@@ -178,6 +178,23 @@ class _Extras:
         return out
 
 
+def _peek_states(opt, pl):
+    """The states and hyper-parameters ``pl`` would get now, leaving ``opt.state`` as it was: an
+    unfused parameter's first ``opt.step()`` must create its own state (SGD's buffer = grad)."""
+    had = pl.param in opt.state
+    before = dict(opt.state[pl.param]) if had else None
+    try:
+        states = [s.clone() for s in prepare_states(opt, pl)]
+        hps = [torch.tensor(v, dtype=torch.float64) for v in hparam_values(opt, pl)]
+    finally:
+        if had:
+            opt.state[pl.param].clear()
+            opt.state[pl.param].update(before)
+        else:
+            opt.state.pop(pl.param, None)
+    return states, hps
+
+
 def _fake(fake_mode, t):
     return fake_mode.from_tensor(t, static_shapes=True)
 
@@ -290,8 +307,7 @@ class _Compilation:
 
         ph_of, names = {}, {}
         for i, pl in cands:
-            states = prepare_states(self.optimizer, pl)
-            hps = [torch.tensor(v, dtype=torch.float64) for v in hparam_values(self.optimizer, pl)]
+            states, hps = _peek_states(self.optimizer, pl)
             w = add_placeholder(f"forge_param_{i}", pl.param.detach())
             s_nodes = [add_placeholder(f"forge_state_{i}_{k}", s) for k, s in enumerate(states)]
             h_nodes = [add_placeholder(f"forge_hparam_{i}_{k}", h) for k, h in enumerate(hps)]

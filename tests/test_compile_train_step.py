@@ -89,7 +89,7 @@ def test_user_rule_is_fused_and_matches_eager():
         buf = beta * buf + (1 - beta) * g
         return p - lr * torch.sign(buf), buf
 
-    rule = forge.optim.register_rule(forge.Rule("test_signum", signum_momentum, states=("buf",),
+    rule = forge.optim.register_rule(forge.Rule("test_core_signum", signum_momentum, states=("buf",),
                                                 hparams=("lr", "beta")))
     make = lambda p: forge.optim.RuleOptimizer(p, rule, lr=1e-2, beta=0.9)
     model, opt, ref, ref_opt, step = _train_both(MLP, make, _mlp_batch, F.mse_loss)

@@ -11,7 +11,8 @@ The rule is traced once with make_fx on fake 1-D tensors. Its graph splits in tw
 Bit-identity with eager torch is the goal (tested: the kernel's W/states equal ``rule.fn`` applied eagerly
 to the dW the kernel stored). Eager element-wise kernels are not plain IEEE formulas, and they differ by
 device, so each lowering below copies what ATen's kernel for that device computes:
-- division by a CPU scalar on CUDA is ``a * (1.0f / b)`` (BinaryDivTrueKernel.cu); on CPU a true division;
+- division by a CPU scalar on CUDA is ``a * fp32(1 / b)`` with 1/b taken in the scalar's dtype (float64 for
+  hparams; BinaryDivTrueKernel.cu's reciprocal path, behaviour pinned down on the H200); on CPU a true division;
 - ``add``/``sub`` with alpha, ``addcmul``, ``addcdiv`` and ``lerp`` contain an FMA in the eager kernel
   (nvcc contracts by default; the CPU kernels call fmadd); the kernel itself is launched with
   ``enable_fp_fusion=False`` so that only these spelled-out FMAs are fused;
@@ -158,8 +159,8 @@ class _TileGen:
         """torch true division of fp32 operands a / b."""
         bexpr, bkind = b_val
         if bkind == "scalar" and self.target == "cuda":
-            # ATen (CUDA): a tensor divided by a CPU scalar is a * (1.0f / b); 1/b is an fp32 division
-            # on the host. The reciprocal is produced by the host graph (see _recip_scalars).
+            # ATen (CUDA): a tensor divided by a CPU scalar is a * (1 / b); the host graph computes 1/b
+            # (see recip_of in _build).
             return f"{a} * {bexpr}"
         return f"tl.math.div_rn({a}, {self.f(b_val)})"
 
@@ -401,9 +402,12 @@ def _build(rule: Rule, target: str) -> Epilogue:
     def recip_of(raw):
         if isinstance(raw, torch.fx.Node):
             hv = hmap[raw]
-            r = host.call_function(aten.reciprocal.default, (host.call_function(aten._to_copy.default, (hv,), {"dtype": torch.float32}),))
+            # 1/b in the scalar's own dtype (float64 for hparams), rounded to fp32 afterwards: this is what
+            # eager CUDA computes (verified on the H200: with 1/fp32(b) instead, W differed in 1.75 % of
+            # elements whenever fp32(1/b) != 1/fp32(b), e.g. Adam's bias_correction2_sqrt at step 5).
+            r = host.call_function(aten.reciprocal.default, (hv,))
             return scalar_arg(("recip", raw), r, False)
-        return (_f32_literal(np.float32(1.0) / np.float32(raw)), "scalar")
+        return (_f32_literal(1.0 / float(raw)), "scalar")
 
     gen = _TileGen(target)
     for n in g.nodes:
