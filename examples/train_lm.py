@@ -49,7 +49,7 @@ log = logging.getLogger("train_lm")
 VOCAB = 256
 # name: model shape and the defaults that go with it (each can be overridden on the command line).
 SIZES = {
-    "tiny": dict(d_model=128, n_layers=4, n_heads=4, d_ff=384, seq_len=128, batch_size=16, lr=3e-3, steps=400),
+    "tiny": dict(d_model=128, n_layers=4, n_heads=4, d_ff=384, seq_len=128, batch_size=16, lr=3e-3, steps=1200),
     "small": dict(d_model=512, n_layers=8, n_heads=8, d_ff=1408, seq_len=512, batch_size=16, lr=1e-3, steps=2000),
     # Llama-3.2-1B's trunk (d 2048, 16 layers, SwiGLU 8192) with multi-head attention and byte vocab: 1.07B params.
     "1b": dict(d_model=2048, n_layers=16, n_heads=32, d_ff=8192, seq_len=2048, batch_size=8, lr=3e-4, steps=1000),
@@ -495,6 +495,8 @@ def compare(args, argv):
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
     plt.close(fig)
+    with open(os.path.splitext(args.plot)[0] + ".json", "w") as f:      # the numbers behind the plot
+        json.dump(results, f)
 
     for route in ("step", "off"):
         print_summary(results[route])

@@ -15,6 +15,7 @@ from .optim.rule import Rule, register_rule
 from .optim.translate import UnsupportedOptimizerError
 from .report import FusionReport
 from .kernels import wgrad_update as _register_fused_op  # noqa: F401  (registers forge::wgrad_update_)
+from . import backend as _backend  # noqa: F401  (registers the "forge" Dynamo backend)
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 

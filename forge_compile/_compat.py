@@ -84,3 +84,9 @@ def detect_fake_mode(inputs):
 def auto_functionalized():
     """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
     return torch.ops.higher_order.auto_functionalized
+
+
+def mark_optimizer_stepped(opt) -> None:
+    """forge updates parameters without calling ``opt.step()``; tell LR schedulers it happened
+    (they warn about 'lr_scheduler.step() before optimizer.step()' otherwise)."""
+    opt._opt_called = True

@@ -34,6 +34,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
@@ -87,21 +88,28 @@ def clear_reports() -> None:
 class _StepTracker:
     """Per optimizer: the parameters a compiled backward updated since the last ``step()``."""
 
-    def __init__(self, opt):
+    def __init__(self):
         self.updated: set = set()          # ids of parameters (the optimizer holds them alive)
-        self._handle = opt.register_step_post_hook(self._after_step)
-
-    def _after_step(self, opt, args, kwargs):
-        self.updated.clear()
 
 
 _TRACKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _after_any_step(opt, args, kwargs):
+    t = _TRACKERS.get(opt)
+    if t is not None:
+        t.updated.clear()
+
+
+# A global hook (not opt.register_step_post_hook): it does not show up in the optimizer's own hooks,
+# which the translation warns about because the fused update cannot run them.
+_STEP_HOOK = register_optimizer_step_post_hook(_after_any_step)
+
+
 def _tracker(opt) -> _StepTracker:
     t = _TRACKERS.get(opt)
     if t is None:
-        t = _TRACKERS[opt] = _StepTracker(opt)
+        t = _TRACKERS[opt] = _StepTracker()
     return t
 
 
@@ -247,10 +255,11 @@ class _Compilation:
         self.optimizer = optimizer
         self.fuse = fuse
         self.dump_dir = dump_dir
-        self.example_inputs = list(example_inputs)
+        # ids only: holding the example inputs would keep the first batch alive with the compiled code
+        self.input_ids = [id(e) for e in example_inputs]
         placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
         self.names = [(_param_name(placeholders[i], f"input{i}") if i < len(placeholders) else f"input{i}")
-                      for i in range(len(self.example_inputs))]
+                      for i in range(len(self.input_ids))]
         self.plans = {}
         if optimizer is not None:
             for pl in plan_optimizer(optimizer):      # raises UnsupportedOptimizerError up front
@@ -273,7 +282,7 @@ class _Compilation:
             notes.append("nothing fused: no optimizer was given (options={'optimizer': opt})")
         elif not self.fuse:
             notes.append("fusion disabled (fuse=False)")
-        elif fw is None or fw.n_primals != len(self.example_inputs):
+        elif fw is None or fw.n_primals != len(self.input_ids):
             notes.append("nothing fused: the forward's inputs do not map 1:1 to the Dynamo graph's "
                          "inputs (duplicated or tensor-subclass inputs)")
         if notes:
@@ -290,8 +299,8 @@ class _Compilation:
             return self._finish(gm, example_inputs, compile_fx_inner, kwargs, captured, report, None)
 
         cands = []     # (input index, plan)
-        for i, (inp, g) in enumerate(zip(self.example_inputs, outs)):
-            pl = self.plans.get(id(inp))
+        for i, (inp_id, g) in enumerate(zip(self.input_ids, outs)):
+            pl = self.plans.get(inp_id)
             if pl is not None and isinstance(g, fx.Node):
                 cands.append((i, pl))
 

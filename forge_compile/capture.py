@@ -295,6 +295,8 @@ class CompiledTrainStep:
         outs = list(outs)
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
             p.grad = g
+        for opt in optimizers:
+            _compat.mark_optimizer_stepped(opt)
         return pytree.tree_unflatten(outs[:entry.n_user_out], entry.out_spec)
 
     def explain(self, *args, **kwargs) -> FusionReport:

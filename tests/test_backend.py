@@ -210,6 +210,7 @@ def test_gradient_accumulation_raises():
     opt.zero_grad()
     F.mse_loss(cmodel(x), y).backward()        # after step() a backward is fine again
     opt.step()
+    assert not opt._optimizer_step_post_hooks    # forge tracks steps with a global hook, not the user's slots
 
 
 def test_dump_dir_writes_forward_and_backward(tmp_path):
