@@ -47,6 +47,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 log = logging.getLogger("train_lm")
 
 VOCAB = 256
+COMPARE_EXACT = 20      # --compare: steps over which forge and the baseline must agree to 1e-4 (fp32)
 # name: model shape and the defaults that go with it (each can be overridden on the command line).
 SIZES = {
     "tiny": dict(d_model=128, n_layers=4, n_heads=4, d_ff=384, seq_len=128, batch_size=16, lr=3e-3, steps=1200),
@@ -166,8 +167,7 @@ class HFCausalLM(nn.Module):
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=d_ff,
                           num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
                           max_position_embeddings=max_seq_len, tie_word_embeddings=False,
-                          attention_bias=False, mlp_bias=False, use_cache=False)
-        cfg._attn_implementation = "sdpa"
+                          attention_bias=False, mlp_bias=False, use_cache=False, attn_implementation="sdpa")
         self.model = LlamaForCausalLM(cfg)
 
     def forward(self, idx):
@@ -477,10 +477,22 @@ def compare(args, argv):
             with open(out) as f:
                 results[route] = json.load(f)
     a, b = results["step"]["losses"], results["off"]["losses"]
-    max_abs = max(abs(p - q) for p, q in zip(a, b))
-    final_rel = abs(a[-1] - b[-1]) / abs(b[-1])
+    diffs = [abs(p - q) for p, q in zip(a, b)]
+    max_abs = max(diffs)
+    # Two fp32 runs whose matmuls sum in different orders start identical and then drift apart (Adam
+    # amplifies last-bit differences; on the default run |diff| passes 1e-4 after ~50 steps). So the
+    # check is: (1) the first COMPARE_EXACT steps agree to 1e-4 absolute -- any real difference in the
+    # update (a hyper-parameter, a skipped weight) shows there at once -- and (2) after the run, the mean
+    # loss over the last 10% of steps agrees to --compare-rtol relative (default 1e-2: the runs are then
+    # statistically equal; on the default 1200-step run that mean differed by 2e-4 and 1.4e-3 in two tries).
+    n_exact = min(COMPARE_EXACT, len(a))
+    early_abs = max(diffs[:n_exact])
+    tail = max(1, len(a) // 10)
+    mean_a, mean_b = sum(a[-tail:]) / tail, sum(b[-tail:]) / tail
+    tail_rel = abs(mean_a - mean_b) / abs(mean_b)
+    drift = next((i + 1 for i, d in enumerate(diffs) if d > 1e-4), None)
     fp32 = results["off"]["device"] == "cpu" or args.fp32
-    agree = final_rel <= args.compare_rtol if fp32 else None
+    agree = (early_abs <= 1e-4 and tail_rel <= args.compare_rtol) if fp32 else None
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for route, label in (("step", "forge (compile_train_step)"), ("off", "baseline (torch.compile + torch.optim)")):
@@ -490,7 +502,8 @@ def compare(args, argv):
     ax.axhline(results["off"]["unigram_entropy"], color="gray", ls="--", lw=0.8, label="unigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/byte)")
-    ax.set_title(f"byte-level Llama {args.size} on {results['off']['device']}: max |loss diff| {max_abs:.2e}")
+    ax.set_title(f"byte-level Llama {args.size} on {results['off']['device']}: |loss diff| {early_abs:.1e} "
+                 f"over the first {n_exact} steps, {tail_rel:.1e} rel. over the last {tail}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
@@ -500,13 +513,17 @@ def compare(args, argv):
 
     for route in ("step", "off"):
         print_summary(results[route])
-    print(f"\ncompare: max |loss_forge - loss_baseline| over {len(a)} steps = {max_abs:.3e}; "
-          f"final loss relative difference = {final_rel:.3e}")
+    print(f"\ncompare: max |loss_forge - loss_baseline| over {len(a)} steps = {max_abs:.3e} "
+          f"(first {n_exact} steps: {early_abs:.3e}; first step above 1e-4: {drift or 'none'})")
+    print(f"compare: mean loss over the last {tail} steps: forge {mean_a:.5f}, baseline {mean_b:.5f}, "
+          f"relative difference {tail_rel:.3e}")
     if agree is not None:
-        print(f"compare: {'PASS' if agree else 'FAIL'} (fp32: final losses must agree to {args.compare_rtol:g} relative)")
+        print(f"compare: {'PASS' if agree else 'FAIL'} (fp32: the first {n_exact} losses agree to 1e-4 and the "
+              f"last-10% mean losses to {args.compare_rtol:g} relative)")
     print(f"compare: loss curves written to {args.plot}")
     return {"forge": results["step"], "baseline": results["off"], "max_abs_diff": max_abs,
-            "final_rel_diff": final_rel, "agree": agree, "plot": args.plot}
+            "early_max_abs_diff": early_abs, "tail_mean_rel_diff": tail_rel, "first_drift_step": drift,
+            "agree": agree, "plot": args.plot}
 
 
 def _strip(argv, flags):
@@ -527,7 +544,8 @@ def _strip(argv, flags):
 # ---------------------------------------------------------------------------------------------------
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=SIZES, default="tiny")
+    p.add_argument("--size", choices=SIZES, default="tiny",
+                   help="tiny: 0.9M params, 1200 steps (CPU minutes); small: 26M; 1b: 1.07B (GPU)")
     p.add_argument("--hf", action="store_true", help="use transformers.LlamaForCausalLM (random init from a LlamaConfig)")
     p.add_argument("--route", choices=("step", "backend", "off"), default="step")
     p.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
@@ -547,7 +565,8 @@ def parse_args(argv):
     p.add_argument("--save", metavar="PATH", help="checkpoint at the end (model, optimizer, scheduler, step, data RNG)")
     p.add_argument("--resume", metavar="PATH")
     p.add_argument("--compare", action="store_true", help="run route step and route off, plot both loss curves")
-    p.add_argument("--compare-rtol", type=float, default=1e-3)
+    p.add_argument("--compare-rtol", type=float, default=1e-2,
+                   help="--compare: relative tolerance on the mean loss of the last 10%% of steps (fp32)")
     p.add_argument("--plot", default="train_lm_compare.png", help="where --compare writes its PNG")
     p.add_argument("--results-json", help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -71,11 +71,15 @@ def test_route_backend_missing_is_a_clear_error():
 def test_resume_equals_uninterrupted(step_run_4, tmp_path):
     ck = str(tmp_path / "ck.pt")
     first = run("--route", "step", "--steps", "4", "--stop-after", "2", "--save", ck)
-    assert first["losses"] == step_run_4["losses"][:2]
     resumed = run("--route", "step", "--steps", "4", "--resume", ck)
-    # bit-identical on CPU fp32: model, AdamW state, LR schedule and data order all continue exactly
-    assert resumed["losses"] == step_run_4["losses"]
-    assert resumed["val_loss"] == step_run_4["val_loss"]
+    # Model, AdamW state, LR schedule and data order all continue exactly, and the losses are usually
+    # bit-identical on CPU fp32. Not always: about 1 run in 4 of this file a loss differed in its last
+    # bits, and the parameters can differ by an ulp after a resume with route off too (plain torch.compile
+    # + torch.optim), so the noise comes from CPU kernels, not the checkpoint. Hence rel=1e-6, far below
+    # what a lost optimizer state, a restarted schedule or a reshuffled batch would change (>1e-3).
+    assert first["losses"] == pytest.approx(step_run_4["losses"][:2], rel=1e-6, abs=0)
+    assert resumed["losses"] == pytest.approx(step_run_4["losses"], rel=1e-6, abs=0)
+    assert resumed["val_loss"] == pytest.approx(step_run_4["val_loss"], rel=1e-6)
 
 
 def test_compare_writes_png(tmp_path):
@@ -85,7 +89,7 @@ def test_compare_writes_png(tmp_path):
     assert os.path.getsize(png) > 0
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert r["agree"] is True and r["max_abs_diff"] < 1e-3
+    assert r["agree"] is True and r["early_max_abs_diff"] <= 1e-4
     assert len(r["forge"]["losses"]) == len(r["baseline"]["losses"]) == 3
 
 
