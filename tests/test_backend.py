@@ -1,6 +1,5 @@
 """The Dynamo route: torch.compile(model, backend="forge", options={"optimizer": opt}) vs eager torch.optim."""
 import copy
-import math
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 import forge_compile.backend as fb
 from forge_compile.optim.lion import Lion
+from models import TinyLM
 
 # Tolerances: the fused update is the same rule function, but dW is summed in row blocks by the
 # fused op and the rest of the backward by Inductor's kernels, in another order than eager torch;
@@ -41,39 +41,6 @@ class DeepMLP(nn.Module):
 
     def forward(self, x):
         return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
-
-
-class Block(nn.Module):
-    def __init__(self, d=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.proj = nn.Linear(d, d, bias=False)
-        self.ln2 = nn.LayerNorm(d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=40, d=32):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.block = Block(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        return self.head(self.block(self.emb(idx)))
 
 
 OPTIMIZERS = {
