@@ -28,7 +28,8 @@ from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .optim.rule import decompose_apply_rule
-from .optim.translate import hparam_values, plan_optimizer, prepare_states, structure_key
+from .optim.translate import (discard_step_mirrors, flush_step_mirrors, hparam_values, plan_optimizer,
+                              prepare_states, structure_key)
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -292,6 +293,7 @@ class CompiledTrainStep:
             log.info("forge: compiled train step\n%s", report)
         self.last_report = entry.report
         outs = entry.fn(*flat)
+        flush_step_mirrors()
         outs = list(outs)
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
             p.grad = g
@@ -313,6 +315,7 @@ class CompiledTrainStep:
             _, report, _ = self._build(key, modules, optimizers, params, pnames, buffers, plans, states,
                                        hparams, flat, args, kwargs)
         finally:
+            discard_step_mirrors()
             for opt, p, existed in had:
                 if not existed:
                     opt.state.pop(p, None)

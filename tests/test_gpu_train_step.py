@@ -81,3 +81,35 @@ def test_cuda_peak_memory_fused_vs_torch_compile_baseline(autocast):
     # opt.step() runs; the forge step never holds one. bf16 autocast adds bf16 weight copies to both.
     # Measured on the H200 (2026-12-02): fp32 forge 21.0 MB vs baseline 75.5 MB, bf16 35.7 vs 77.6 (dW 67.1 MB).
     assert base >= dw and fused < 0.6 * dw
+
+
+def test_cuda_fused_adamw_keeps_device_step_format():
+    """AdamW(fused=True) keeps ``step`` on the device; forge advances a host mirror and writes it back,
+    so torch's own fused step (and a checkpoint) continues from forge's state."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TinyLM().cuda(); ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = _loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    for _ in range(3):
+        x, y = _lm_batch()
+        step(x, y)
+        rl = _loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert len(step.last_report.fused) == 5
+    for p in model.parameters():
+        s = opt.state[p]["step"]
+        assert s.device.type == "cuda" and s.dtype == torch.float32 and float(s) == 3.0
+    # same tolerance reasoning as test_cuda_fp32_matches_eager
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a - b).abs().max().item() <= 1e-4
+    # a plain fused opt.step() continues from the written-back state
+    x, y = _lm_batch()
+    _loss(model(x), y).backward(); opt.step(); opt.zero_grad()
+    _loss(ref(x), y).backward(); ref_opt.step(); ref_opt.zero_grad()
+    assert all(float(opt.state[p]["step"]) == 4.0 for p in model.parameters())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert (a - b).abs().max().item() <= 2e-4

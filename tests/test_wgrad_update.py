@@ -79,6 +79,9 @@ def test_fused_step_never_allocates_a_full_dw():
     for _ in range(2):                             # compile and warm up outside the measured region
         fused(x); unfused(x)
     dw_bytes = n * k * 4
-    assert _peak_rss_growth(lambda: unfused(x)) >= 0.9 * dw_bytes, "the measurement must see dW when it exists"
+    # Sanity bound of the method, not of forge: peak RSS growth of the unfused step shows dW, less whatever
+    # the step frees before dW is allocated (measured 0.89-0.95 x dW on 2-core CI machines), so 0.6 x dW
+    # still proves the measurement sees a dW-sized tensor, well apart from the fused bound below.
+    assert _peak_rss_growth(lambda: unfused(x)) >= 0.6 * dw_bytes, "the measurement must see dW when it exists"
     assert _peak_rss_growth(lambda: fused(x)) < 0.25 * dw_bytes
     assert cpu_block_rows(n, k) * k * 4 < 0.25 * dw_bytes

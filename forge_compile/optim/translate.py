@@ -20,7 +20,8 @@ from .lion import RuleOptimizer, _as_float
 from .rule import Rule
 from .rules import adagrad_rule, adam_rule, rmsprop_rule, sgd_rule
 
-__all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states",
+__all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states", "flush_step_mirrors",
+           "discard_step_mirrors",
            "hparam_values", "structure_key"]
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,50 @@ def _cpu_step(state):
     return state["step"]
 
 
+def _device_step_group(group) -> bool:
+    """torch.optim keeps ``step`` on the parameter's device for fused and capturable groups."""
+    return bool(group.get("fused")) or bool(group.get("capturable"))
+
+
+# forge's update reads ``step`` on the host (bias corrections are host scalars of the fused kernel), but
+# a fused/capturable group keeps it on the device. Such a step gets a CPU mirror that forge reads and
+# advances; ``flush_step_mirrors`` writes it back after each forge update, so ``opt.state`` stays in
+# torch's format (a plain ``opt.step()`` or a checkpoint continues from it). The device tensor's version
+# counter tells whether anything else (torch's own step, a user) changed it since: then it is re-read,
+# the only device sync, and rare.
+_STEP_MIRRORS = WeakIdKeyDictionary()     # device step -> [cpu mirror, device version after our write]
+_PENDING_FLUSH: dict = {}                 # id(device step) -> (device step, mirror)
+
+
+def _step_for_forge(state, group, p):
+    s = state["step"]
+    if not (_device_step_group(group) and p.device.type != "cpu"):
+        return _cpu_step(state)
+    if not (isinstance(s, torch.Tensor) and s.dim() == 0 and s.device == p.device):
+        s = state["step"] = torch.tensor(_as_float(s), dtype=torch.float32, device=p.device)
+    entry = _STEP_MIRRORS.get(s)
+    if entry is None or entry[1] != s._version:
+        entry = _STEP_MIRRORS[s] = [torch.tensor(float(s), dtype=torch.float32), s._version]
+    _PENDING_FLUSH[id(s)] = (s, entry[0])
+    return entry[0]
+
+
+def flush_step_mirrors() -> None:
+    """Write the host mirrors of device ``step`` states back (after a forge update consumed them)."""
+    pending = list(_PENDING_FLUSH.values())
+    _PENDING_FLUSH.clear()
+    for dev, mirror in pending:
+        dev.copy_(mirror, non_blocking=True)
+        entry = _STEP_MIRRORS.get(dev)
+        if entry is not None:
+            entry[1] = dev._version
+
+
+def discard_step_mirrors() -> None:
+    """Forget pending write-backs (a capture that ran nothing, e.g. ``forge.explain``)."""
+    _PENDING_FLUSH.clear()
+
+
 # SGD's first step sets buf = clone(grad). forge starts from a zero buffer instead and passes
 # dampening 0 for that step (0 * m + 1 * g == g). A buffer is "fresh" while its version counter is
 # where prepare_states left it: any update (eager copy_ or a compiled graph's in-place write) bumps
@@ -75,7 +120,7 @@ _FRESH_BUFFERS = WeakIdKeyDictionary()
 
 
 def _sgd_rule(opt, group):
-    _flag_off(group, "differentiable", "fused")
+    _flag_off(group, "differentiable")
     return sgd_rule(momentum=_nonzero(group["momentum"]), nesterov=bool(group["nesterov"]),
                     weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
 
@@ -101,14 +146,20 @@ def _sgd_hparams(opt, group, p, rule):
 
 
 def _adam_rule(opt, group):
-    _flag_off(group, "differentiable", "fused", "capturable")
+    _flag_off(group, "differentiable")
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
     return adam_rule(amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
                      weight_decay=_nonzero(group["weight_decay"]), decoupled=decoupled)
 
 
+def _new_step(group, p):
+    if _device_step_group(group):
+        return torch.zeros((), dtype=torch.float32, device=p.device)
+    return torch.tensor(0.0, dtype=torch.float32)
+
+
 def _adam_init(opt, group, p, state):
-    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] = _new_step(group, p)
     state["exp_avg"] = _zeros(p)
     state["exp_avg_sq"] = _zeros(p)
 
@@ -121,14 +172,14 @@ def _adam_hparams(opt, group, p, rule):
 
 
 def _adagrad_rule(opt, group):
-    _flag_off(group, "differentiable", "fused")
+    _flag_off(group, "differentiable")
     return adagrad_rule(weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
 
 
 def _adagrad_init(opt, group, p, state):
     # Adagrad fills its state at construction; a param added later is filled from the optimizer's
     # defaults, not its group's -- as torch's _init_group does.
-    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] = _new_step(group, p)
     state["sum"] = torch.full_like(p, opt.defaults["initial_accumulator_value"],
                                    memory_format=torch.preserve_format)
 
@@ -138,13 +189,13 @@ def _group_hparams(opt, group, p, rule):
 
 
 def _rmsprop_rule(opt, group):
-    _flag_off(group, "differentiable", "capturable")
+    _flag_off(group, "differentiable")
     return rmsprop_rule(centered=bool(group["centered"]), momentum=_as_float(group["momentum"]) > 0,
                         weight_decay=_nonzero(group["weight_decay"]), maximize=bool(group["maximize"]))
 
 
 def _rmsprop_init(opt, group, p, state):
-    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] = _new_step(group, p)
     state["square_avg"] = _zeros(p)
 
 
@@ -157,10 +208,11 @@ def _torch_states(init):
             init(opt, group, p, state)
         for name in rule.states:
             if name not in state:
-                state[name] = torch.tensor(0.0) if name in rule.scalar_states else _zeros(p)
+                state[name] = _new_step(group, p) if name in rule.scalar_states else _zeros(p)
+        states = [state[n] for n in rule.states]
         if "step" in rule.states:
-            _cpu_step(state)
-        return [state[n] for n in rule.states]
+            states[rule.states.index("step")] = _step_for_forge(state, group, p)
+        return states
     return states
 
 
