@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -90,3 +91,40 @@ def mark_optimizer_stepped(opt) -> None:
     """forge updates parameters without calling ``opt.step()``; tell LR schedulers it happened
     (they warn about 'lr_scheduler.step() before optimizer.step()' otherwise)."""
     opt._opt_called = True
+
+
+# -- the Dynamo route's lazily compiled unfused backward (backend.py) --------------------------------
+
+
+def saved_compile_contexts():
+    """AOTAutograd compiles the backward inside the forward's TracingContext/CompileContext; the
+    unfused variant is compiled later (on first need) inside the same ones, as AOT's lazy backward is."""
+    from torch._guards import CompileContext, TracingContext
+
+    return TracingContext.try_get(), CompileContext.try_get()
+
+
+@contextlib.contextmanager
+def in_compile_contexts(saved):
+    from torch._guards import compile_context, tracing
+
+    tracing_ctx, compile_ctx = saved
+    with tracing(tracing_ctx), compile_context(compile_ctx):
+        yield
+
+
+def will_accumulate(acc_node) -> bool:
+    """Whether the running backward will write ``.grad`` through this AccumulateGrad node: False
+    under ``torch.autograd.grad`` (torch raises for leaves there) or ``backward(inputs=...)``
+    without this parameter. When torch cannot tell, False: the caller then runs unfused (safe)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(acc_node))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def deepcopy_graph_module(gm):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return copy.deepcopy(gm)

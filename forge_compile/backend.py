@@ -19,12 +19,25 @@ How (AOTAutograd + Inductor, ``compile_fx`` with our own ``inner_compile``):
   their ``optimizer.state`` tensors (torch.optim format) and fresh 0-dim hyper-parameter tensors read
   from ``param_groups`` (schedulers work without recompiling).
 
-Semantics that change because the update happens inside backward:
-- a second backward over fused parameters before ``opt.step()`` (gradient accumulation) raises;
-- ``clip_grad_norm_``, GradScaler unscaling and DDP gradient hooks never see fused gradients.
+Semantics that change because the update happens inside backward, and what the runtime does:
+- a fused backward is only correct when it sees the parameter's WHOLE gradient for the step. Each
+  compiled training forward counts as pending until its backward runs; a backward whose fused
+  parameters can still get another contribution before ``opt.step()`` (the model called twice in one
+  step, a graph whose forward ran again, another pending graph sharing the weight, an earlier unfused
+  backward this step, a ``.grad`` already set) runs the UNFUSED variant of its backward instead (the
+  original graph through plain Inductor, compiled on first need): gradients go to ``.grad`` and
+  ``opt.step()`` updates them, exactly as eager. ``opt.step()`` clears every count (a forward whose
+  backward never ran, e.g. evaluation with grad enabled, costs at most one unfused step);
+- a second backward over fused parameters that an earlier backward already updated in place, before
+  ``opt.step()`` (gradient accumulation), raises before touching them;
+- cannot be detected: ``clip_grad_norm_``/GradScaler unscaling/gradient logging/DDP hooks never see
+  fused gradients (``.grad`` is None); ``torch.autograd.grad`` over a fused parameter updates it.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import collections
 import dataclasses
 import logging
 import operator
@@ -34,6 +47,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _compat
@@ -47,23 +61,48 @@ from .report import FusionReport
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["forge_backend", "last_report", "last_reports", "clear_reports"]
+__all__ = ["forge_backend", "last_report", "last_reports", "clear_reports", "last_graphs", "counters"]
 
 _NOTE_SEMANTICS = (
     "fused weights are updated inside loss.backward(): their .grad stays None, so clip_grad_norm_, "
     "GradScaler unscaling, gradient logging and DDP gradient hooks do not see them, and a second "
-    "backward before optimizer.step() (gradient accumulation) raises"
+    "backward before optimizer.step() (gradient accumulation) raises; a backward that may not see a "
+    "weight's whole gradient (model called twice per step) runs unfused"
 )
+
+# fused_backward / unfused_backward: backward calls by variant; unfused_compiles: lazy compiles of the
+# unfused variant; eager_fallback: unfused variants that Inductor could not compile (run eagerly).
+counters: "collections.Counter" = collections.Counter()
 
 _REPORTS: list = []
 _REPORTS_LOCK = threading.Lock()
 _MAX_REPORTS = 64
 
 
-def _record(report: FusionReport) -> None:
+_GRAPHS: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardGraphs:
+    """The printed backward graph of one compile: as AOTAutograd produced it, as handed to Inductor,
+    and ``roles``: only what forge did, with inputs named by role (version-stable; tests snapshot it)."""
+    captured: str
+    rewritten: str
+    roles: str
+
+
+def _record(report: FusionReport, graphs: BackwardGraphs) -> None:
     with _REPORTS_LOCK:
         _REPORTS.append(report)
         del _REPORTS[:-_MAX_REPORTS]
+        _GRAPHS.append(graphs)
+        del _GRAPHS[:-_MAX_REPORTS]
+
+
+def last_graphs() -> list:
+    """``BackwardGraphs`` of the backward graphs compiled by the forge backend, oldest first."""
+    with _REPORTS_LOCK:
+        return list(_GRAPHS)
 
 
 def last_reports() -> list:
@@ -81,15 +120,40 @@ def last_report():
 def clear_reports() -> None:
     with _REPORTS_LOCK:
         _REPORTS.clear()
+        _GRAPHS.clear()
 
 
-# -- "updated in backward since the last optimizer.step()" ---------------------------------------------
+# -- what happened since the last optimizer.step() ---------------------------------------------------
 
 class _StepTracker:
-    """Per optimizer: the parameters a compiled backward updated since the last ``step()``."""
+    """Per optimizer, reset by every ``step()``:
+    - ``updated``: parameters a fused backward updated in place (id -> name);
+    - ``deferred``: parameters whose gradient an unfused backward left in ``.grad`` (every later
+      backward over them must leave its contribution there too, for ``step()`` to see the sum);
+    - ``comps``: the compiled graphs, each with ``pending`` = forwards whose backward has not run."""
 
     def __init__(self):
-        self.updated: set = set()          # ids of parameters (the optimizer holds them alive)
+        self.updated: dict = {}
+        self.deferred: set = set()
+        self.comps: "weakref.WeakSet" = weakref.WeakSet()
+        self.hooked = WeakIdKeyDictionary()     # fused parameters with the late-gradient check
+
+
+def _late_gradient_hook(tracker: _StepTracker, name: str):
+    """``.grad`` of a weight that a fused backward already updated this step gets a contribution
+    (eager code reading the weight outside the compiled graph, a graph forge did not see pending):
+    the update used a partial gradient and opt.step() would apply the rest separately. Too late to
+    undo; raise so that it is not silent."""
+    def hook(p):
+        # AccumulateGrad also runs (and calls this) when the gradient it got is None
+        if p.grad is not None and id(p) in tracker.updated:
+            raise RuntimeError(
+                f"forge: {name} received a gradient in .grad after forge had already updated it inside "
+                "this step's backward with the gradient of the compiled graph alone (the weight is also "
+                "used outside the compiled model, e.g. an eager regularizer or a tied weight). This "
+                "step's update of it is wrong. Compute every use of a fused weight inside the compiled "
+                "model, or compile without options={'optimizer': ...}.")
+    return hook
 
 
 _TRACKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -99,6 +163,9 @@ def _after_any_step(opt, args, kwargs):
     t = _TRACKERS.get(opt)
     if t is not None:
         t.updated.clear()
+        t.deferred.clear()
+        for c in t.comps:
+            c.pending = 0
 
 
 # A global hook (not opt.register_step_post_hook): it does not show up in the optimizer's own hooks,
@@ -169,21 +236,101 @@ def _analyze_forward(gm: fx.GraphModule) -> _ForwardInfo:
     return _ForwardInfo(len(placeholders), views, format_graph(gm))
 
 
+def _group_snapshot(group):
+    """The group's hyper-parameter values, comparable with ``==`` (params excluded; 1-element CPU
+    tensors by value, others by identity so that reading them never syncs a device)."""
+    def val(v):
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.device.type == "cpu" and v.numel() == 1 else ("tensor", id(v), v._version)
+        if isinstance(v, (tuple, list)):
+            return tuple(val(x) for x in v)
+        return v
+    return [(k, val(v)) for k, v in group.items() if k != "params"]
+
+
+class _Entry:
+    __slots__ = ("plan", "with_states", "param", "state", "states", "hp_tensors", "hp_values", "reads")
+
+    def __init__(self, plan, with_states):
+        self.plan, self.with_states = plan, with_states
+        self.param = plan.param.detach()      # shares storage and version counter with the parameter
+        self.state = None                     # the opt.state[p] dict the cached states came from
+        self.states = []
+        self.hp_tensors = []
+        self.hp_values = None
+        self.reads = 0                        # slow-path reads so far (see _Extras.tensors)
+
+
 class _Extras:
-    """What the runtime appends to the backward's inputs, per fused parameter."""
+    """What the runtime appends to the backward's inputs, per fused parameter: the parameter, its
+    ``opt.state`` tensors (torch.optim format) and its hyper-parameters as 0-dim float64 tensors.
+
+    This runs at every backward, so it is kept cheap: state tensors are reused while ``opt.state[p]``
+    still holds the same objects (``load_state_dict`` replaces them), hyper-parameter tensors are
+    reused and refilled only when the value changed, and ``prepare_states``/``hparam_values`` (which
+    walk the optimizer) run only in the first two backwards of a parameter (SGD's first step passes
+    dampening 0, see translate) or when its state objects changed; when only a group's values changed
+    (a scheduler), they are read once per group. Nothing reads a device tensor."""
+
+    _SLOW_READS = 2
 
     def __init__(self, opt, entries):
         self.opt = opt
-        self.entries = entries        # [(ParamPlan, with_states)]
+        self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
+        self.snapshots = {}                   # group index -> _group_snapshot at the last slow read
 
     def tensors(self):
+        opt = self.opt
+        groups_changed = set()
+        for gi in {e.plan.group_index for e in self.entries if e.with_states}:
+            snap = _group_snapshot(opt.param_groups[gi])
+            try:
+                same = self.snapshots.get(gi) == snap
+            except Exception:       # a value without a usable ==: always read again
+                same = False
+            if not same:
+                groups_changed.add(gi)
+                self.snapshots[gi] = snap
         out = []
-        for pl, with_states in self.entries:
-            out.append(pl.param.detach())
-            if with_states:
-                out.extend(prepare_states(self.opt, pl))
-                out.extend(torch.tensor(v, dtype=torch.float64) for v in hparam_values(self.opt, pl))
+        shared = {}            # (group index, rule) -> hyper-parameter values read this backward
+        for e in self.entries:
+            out.append(e.param)
+            if not e.with_states:
+                continue
+            pl = e.plan
+            st = opt.state.get(pl.param)
+            same_states = (st is e.state and st is not None
+                           and all(st.get(n) is t for n, t in zip(pl.rule.states, e.states)))
+            if e.reads < self._SLOW_READS or not same_states:
+                self._slow_read(e)
+            elif pl.group_index in groups_changed:
+                # past the first steps the values depend on the group only (a scheduler changed lr)
+                key = (pl.group_index, pl.rule.name)
+                values = shared.get(key)
+                if values is None:
+                    values = shared[key] = [float(v) for v in hparam_values(opt, pl)]
+                self._set_hparams(e, values)
+            out.extend(e.states)
+            out.extend(e.hp_tensors)
         return out
+
+    def _slow_read(self, e):
+        opt, pl = self.opt, e.plan
+        e.states = list(prepare_states(opt, pl))
+        e.state = opt.state.get(pl.param)
+        self._set_hparams(e, [float(v) for v in hparam_values(opt, pl)])
+        e.reads += 1
+
+    @staticmethod
+    def _set_hparams(e, values):
+        if len(e.hp_tensors) != len(values):
+            e.hp_tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
+        elif values != e.hp_values:
+            # the previous backward is done with them: the fused op reads them on the host at launch
+            for t, old, new in zip(e.hp_tensors, e.hp_values, values):
+                if old != new:
+                    t.fill_(new)
+        e.hp_values = values
 
 
 def _peek_states(opt, pl):
@@ -265,13 +412,26 @@ class _Compilation:
             for pl in plan_optimizer(optimizer):      # raises UnsupportedOptimizerError up front
                 self.plans[id(pl.param)] = pl
         self.forward: _ForwardInfo | None = None
+        # optimizer-owned parameters among this graph's inputs, and training forwards run whose
+        # backward has not (reset by opt.step()); see _wrap_backward
+        self.param_ids = frozenset(i for i in self.input_ids if i in self.plans)
+        self.pending = 0
+        self.counting = optimizer is not None and fuse and bool(self.param_ids)
+        if self.counting:
+            _tracker(optimizer).comps.add(self)
 
     def inner_compile(self, gm, example_inputs, **kwargs):
         compile_fx_inner = _compat.compile_fx_inner
         if not kwargs.get("is_backward", False):
-            if not kwargs.get("is_inference", False):
-                self.forward = _analyze_forward(gm)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            if kwargs.get("is_inference", False):
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+            self.forward = _analyze_forward(gm)
+            directory = _dump_dir(self.dump_dir)
+            if directory:
+                write_dump(directory, "forward", self.forward.code, self.forward.code,
+                           FusionReport([], graph="forward", notes=["the forward graph is not rewritten"]))
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            return _wrap_forward(compiled, self) if self.counting else compiled
         return self._compile_backward(gm, example_inputs, compile_fx_inner, **kwargs)
 
     def _compile_backward(self, gm, example_inputs, compile_fx_inner, **kwargs):
@@ -290,6 +450,7 @@ class _Compilation:
             return self._finish(gm, example_inputs, compile_fx_inner, kwargs, captured, report, None)
 
         fake_mode = _compat.detect_fake_mode(example_inputs)
+        original = _compat.deepcopy_graph_module(gm)     # compiled as is if a backward must run unfused
         graph = gm.graph
         out_node = next(n for n in graph.nodes if n.op == "output")
         outs = list(out_node.args[0])
@@ -304,6 +465,8 @@ class _Compilation:
             if pl is not None and isinstance(g, fx.Node):
                 cands.append((i, pl))
 
+        replaced = _upcasts_as_to_copy(graph, [outs[i] for i, _ in cands])
+        outs = [replaced.get(o, o) if isinstance(o, fx.Node) else o for o in outs]
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         last_ph = placeholders[-1]
 
@@ -352,6 +515,7 @@ class _Compilation:
         graph.lint()
 
         decisions = rewrite_wgrad_updates(gm, names, fuse=True)
+        _to_copies_as_upcasts(graph, set(replaced.values()))
 
         # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
         # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
@@ -388,16 +552,26 @@ class _Compilation:
             report.notes.append(_NOTE_SEMANTICS)
         elif decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")
+        if not fused_plans:
+            # nothing fused: compile the graph as AOTAutograd made it (no rerouted reads, no extra inputs)
+            return self._finish(original, example_inputs, compile_fx_inner, kwargs, captured, report, None,
+                                _roles_text(original, len(placeholders), {}, self.names, self.plans,
+                                            self.input_ids))
+        roles = _roles_text(gm, len(placeholders), ph_of, self.names, self.plans, self.input_ids)
+        runtime = None
+        if fused_plans:
+            unfused_variant = _UnfusedVariant(original, list(example_inputs), kwargs)
+            fused_names = {id(pl.param): self.names[i] for i, pl in cands if i not in unfused}
+            runtime = (extras, fused_names, unfused_variant)
         return self._finish(gm, list(example_inputs) + extra_fakes, compile_fx_inner, kwargs, captured,
-                            report, (extras, fused_plans))
+                            report, runtime, roles)
 
-    def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime):
+    def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime, roles=None):
         directory = _dump_dir(self.dump_dir)
-        if directory and self.forward is not None:
-            write_dump(directory, "forward", self.forward.code, self.forward.code,
-                       FusionReport([], graph="forward", notes=["the forward graph is not rewritten"]))
-        write_dump(directory, "backward", captured, format_graph(gm), report)
-        _record(report)
+        rewritten = format_graph(gm)
+        write_dump(directory, "backward", captured, rewritten, report)
+        _record(report, BackwardGraphs(captured, rewritten, roles if roles is not None else
+                                       "nothing rewritten: " + "; ".join(report.notes)))
         log.info("forge: compiled backward\n%s", report)
         _compat.reset_reinplace_counters()
         with _compat.inductor_config_for_forge():
@@ -407,9 +581,46 @@ class _Compilation:
             log.warning("forge: Inductor could not update %d bytes in place (a tensor was cloned)", missed)
             report.notes.append(f"Inductor cloned {missed} bytes it could not update in place")
         if runtime is None:
-            return compiled
-        extras, fused_plans = runtime
-        return _wrap_backward(compiled, extras, fused_plans, self.optimizer)
+            return _wrap_plain_backward(compiled, self, _grad_ids(gm, self)) if self.counting else compiled
+        extras, fused_names, unfused_variant = runtime
+        return _wrap_backward(compiled, extras, fused_names, unfused_variant, self,
+                              _grad_ids(gm, self), _grad_ids(unfused_variant.gm, self))
+
+
+def _upcasts_as_to_copy(graph, grads) -> dict:
+    """AOT's backward writes autocast's dW upcast as ``prims.convert_element_type`` where make_fx
+    writes ``aten._to_copy``; the FORGE pass walks through the latter. Rewrite the upcasts on the
+    candidates' gradient paths (same value, same strides)."""
+    convert = torch.ops.prims.convert_element_type.default
+    walk = _VIEW_OPS | {aten.clone.default, aten.reshape.default}
+    replaced = {}
+    for g in grads:
+        cur = g
+        while isinstance(cur, fx.Node) and cur.op == "call_function":
+            if cur.target is convert and cur.args[1] == torch.float32:
+                with graph.inserting_before(cur):
+                    new = graph.call_function(aten._to_copy.default, (cur.args[0],), {"dtype": torch.float32})
+                new.meta.update(cur.meta)
+                cur.replace_all_uses_with(new)
+                graph.erase_node(cur)
+                replaced[cur] = new
+                break
+            if cur.target not in walk or not cur.args or not isinstance(cur.args[0], fx.Node):
+                break
+            cur = cur.args[0]
+    return replaced
+
+
+def _to_copies_as_upcasts(graph, created) -> None:
+    """Undo ``_upcasts_as_to_copy`` where the pass left the gradient unfused: Inductor lowers
+    ``convert_element_type`` in a post-grad graph, not ``_to_copy``."""
+    convert = torch.ops.prims.convert_element_type.default
+    for n in [n for n in graph.nodes if n in created]:
+        with graph.inserting_before(n):
+            new = graph.call_function(convert, (n.args[0], torch.float32))
+        new.meta.update(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
 
 
 def _first_user(graph, node):
@@ -417,28 +628,227 @@ def _first_user(graph, node):
     return min(node.users, key=lambda u: order[u]) if node.users else node.next
 
 
-def _wrap_backward(compiled, extras: _Extras, fused_plans, optimizer):
-    tracker = _tracker(optimizer)
-    fused_ids = [id(pl.param) for pl in fused_plans]
+def _wrap_forward(compiled, comp: "_Compilation"):
+    def forge_forward(args):
+        comp.pending += 1
+        return compiled(args)
+
+    forge_forward._boxed_call = True
+    forge_forward._forge_compiled = compiled
+    return forge_forward
+
+
+class _UnfusedVariant:
+    """The backward as AOTAutograd produced it (every gradient returned, nothing updated), compiled by
+    plain Inductor the first time a backward must run unfused, inside the contexts the fused one was
+    compiled in. If Inductor fails there, the graph runs eagerly (correct, slower, logged)."""
+
+    def __init__(self, gm, example_inputs, kwargs):
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.kwargs = dict(kwargs)
+        self.contexts = _compat.saved_compile_contexts()
+        self.fn = None
+
+    def get(self):
+        if self.fn is None:
+            counters["unfused_compiles"] += 1
+            gm = _compat.deepcopy_graph_module(self.gm)      # post-grad passes edit the graph in place
+            try:
+                # the backward may run under autocast; the graph is already in its final dtypes
+                with _compat.in_compile_contexts(self.contexts), torch.autocast("cpu", enabled=False), \
+                        (torch.autocast("cuda", enabled=False) if torch.cuda.is_available()
+                         else contextlib.nullcontext()):
+                    self.fn = _compat.compile_fx_inner(gm, self.example_inputs, **self.kwargs)
+            except Exception:
+                counters["eager_fallback"] += 1
+                log.warning("forge: Inductor could not compile the unfused backward; running it eagerly",
+                            exc_info=True)
+                eager = self.gm
+
+                def run_eager(args):
+                    a = list(args)
+                    args.clear()
+                    with torch.no_grad():
+                        return eager(*a)
+                self.fn = run_eager
+            self.example_inputs = None
+            self.contexts = None
+        return self.fn
+
+
+def _grad_ids(gm, comp) -> frozenset:
+    """Ids of the optimizer's parameters whose gradient this backward graph returns (to ``.grad``)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return frozenset(i for i, g in zip(comp.input_ids, out.args[0]) if g is not None and i in comp.plans)
+
+
+def _wrap_plain_backward(compiled, comp: "_Compilation", grad_ids: frozenset):
+    """A backward with nothing fused, of a graph using optimizer-owned parameters: it still counts
+    (its forward was pending) and its gradients go to ``.grad``, so no later backward this step may
+    fuse those parameters."""
+    tracker = _tracker(comp.optimizer)
+
+    def forge_plain_backward(args):
+        if comp.pending:
+            comp.pending -= 1
+        late = grad_ids & tracker.updated.keys()
+        if late:
+            raise RuntimeError(
+                f"forge: a backward returns gradients for {', '.join(tracker.updated[i] for i in late)}, "
+                "which an earlier backward of this step already updated in place with its own gradient "
+                "alone; call optimizer.step() after every backward.")
+        tracker.deferred.update(grad_ids)
+        return compiled(args)
+
+    forge_plain_backward._boxed_call = True
+    forge_plain_backward._forge_compiled = compiled
+    return forge_plain_backward
+
+
+def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _UnfusedVariant,
+                   comp: "_Compilation", fused_grad_ids: frozenset, unfused_grad_ids: frozenset):
+    """The runtime of a fused backward. Before touching anything it decides whether this backward
+    sees the whole gradient of every fused parameter for this step and writes it nowhere else (see
+    the module docstring); if not, it runs the unfused variant, whose gradients ``opt.step()`` applies."""
+    tracker = _tracker(comp.optimizer)
+    fused_ids = frozenset(fused_names)
+    fused_params = [e.plan.param for e in extras.entries if e.with_states]
+    for p in fused_params:
+        if p not in tracker.hooked:
+            tracker.hooked[p] = p.register_post_accumulate_grad_hook(
+                _late_gradient_hook(tracker, fused_names[id(p)]))
+    accs = []
+    warned = set()
+
+    def not_accumulated():
+        if not accs:
+            with torch.enable_grad():
+                accs.extend(p.view_as(p).grad_fn.next_functions[0][0] for p in fused_params)
+        return [p for p, a in zip(fused_params, accs) if not _compat.will_accumulate(a)]
+
+    def hazard():
+        if comp.pending:
+            return ("this graph's forward ran again before this backward (the model is called more "
+                    "than once per step, or a forward's backward never ran)")
+        for other in tracker.comps:
+            if other is not comp and other.pending and not fused_ids.isdisjoint(other.param_ids):
+                return ("another compiled graph using the same weights ran forward and its backward "
+                        "is still to come")
+        if not tracker.deferred.isdisjoint(fused_ids):
+            return "an earlier backward since optimizer.step() left gradients of these weights in .grad"
+        for p in fused_params:
+            if p.grad is not None:
+                return ".grad of a fused weight is already set (a gradient accumulated before this backward)"
+        return None
+
+    def run_unfused(args, why, to_grad):
+        tracker.deferred.update(to_grad)
+        counters["unfused_backward"] += 1
+        if why not in warned:
+            warned.add(why)
+            log.warning("forge: running a backward unfused (%d weight(s): %s): %s. Their gradients "
+                        "are returned as without forge.", len(fused_names),
+                        ", ".join(list(fused_names.values())[:4]), why)
+        return unfused.get()(args)
 
     def forge_backward(args):
-        again = [pl for pl in fused_plans if id(pl.param) in tracker.updated]
-        if again:
+        if comp.pending:
+            comp.pending -= 1
+        skipped = not_accumulated()
+        if skipped:
+            # autograd.grad / backward(inputs=...): a gradient nobody applies must not update weights
+            kept = unfused_grad_ids - {id(p) for p in skipped}
+            return run_unfused(args, "this backward does not write .grad of fused weights "
+                               "(torch.autograd.grad or backward(inputs=...)), so they must not be updated",
+                               kept)
+        if not fused_ids.isdisjoint(tracker.updated):
+            again = [fused_names[i] for i in fused_names if i in tracker.updated]
             raise RuntimeError(
-                "forge: a second backward over fused parameters before optimizer.step(): the forge "
-                "backend updates fused weights inside loss.backward(), so gradient accumulation is not "
-                f"supported ({len(again)} fused parameter(s), e.g. shape {tuple(again[0].param.shape)}). "
-                "Call optimizer.step() after every backward, or compile without the optimizer option.")
+                f"forge: loss.backward() ran again before optimizer.step() over {len(again)} fused "
+                f"weight(s) ({', '.join(again[:4])}{', ...' if len(again) > 4 else ''}) that an earlier "
+                "backward ALREADY UPDATED in place (the forge backend applies their optimizer update "
+                "inside backward), so this gradient cannot be accumulated; none of them was changed by "
+                "this backward. Call optimizer.step() after every backward, or for gradient "
+                "accumulation compile without options={'optimizer': ...} (plain Inductor).")
+        why = hazard()
+        if why is not None:
+            return run_unfused(args, why, unfused_grad_ids)
         full = list(args)
         args.clear()
         full.extend(extras.tensors())
         out = compiled(full)
-        tracker.updated.update(fused_ids)
+        tracker.updated.update(fused_names)
+        tracker.deferred.update(fused_grad_ids)
+        counters["fused_backward"] += 1
         return out
 
     forge_backward._boxed_call = True
     forge_backward._forge_compiled = compiled
     return forge_backward
+
+
+def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
+    """What forge did to a backward graph, with inputs named by role and everything forge did not
+    touch left out: the fused ops, every read of a fused weight, the write-backs and which gradients
+    remain. Stable across torch versions where the full AOT graph is not."""
+    roles = {}
+    for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        if k < n_inputs:
+            roles[n] = "tangent" if n.name.startswith("tangent") else "saved"
+    weights = {}
+    for i, (w, s_nodes, h_nodes) in ph_of.items():
+        rule = plans[input_ids[i]].rule
+        roles[w] = names[i]
+        weights[w] = names[i]
+        for k, sn in enumerate(s_nodes):
+            roles[sn] = rule.states[k]
+        for k, hn in enumerate(h_nodes):
+            roles[hn] = rule.hparams[k]
+
+    def base(node):
+        flips = 0
+        while node.op == "call_function" and node.target in _VIEW_OPS:
+            if node.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+                flips ^= 1
+            node = node.args[0]
+        return node, flips
+
+    def describe(node):
+        b, flips = base(node)
+        label = roles.get(b, "computed")
+        return f"T({label})" if flips else label
+
+    op = torch.ops.forge.wgrad_update_.default
+    af = _compat.auto_functionalized()
+    fused = {n.kwargs["weight"] for n in gm.graph.nodes
+             if n.op == "call_function" and n.target is af and n.args and n.args[0] is op}
+    weights = {w: name for w, name in weights.items() if w in fused}
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is af and n.args and n.args[0] is op:
+            kw = n.kwargs
+            lines.append(f"wgrad_update_(W={roles[kw['weight']]}, dy_t={describe(kw['dy_t'])}, "
+                         f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
+                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']})")
+        elif n.target is aten.copy_.default:
+            lines.append(f"copy_({roles.get(n.args[0], 'computed')})")
+        elif n.target not in _VIEW_OPS:
+            for a in n.all_input_nodes:
+                b, _ = base(a)
+                if b in weights:
+                    lines.append(f"{_op_short(n.target)} reads {weights[b]}")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = sorted(f"{names[i]}={'grad' if g is not None else 'None'}"
+                   for i, g in enumerate(out.args[0]) if input_ids[i] in plans)
+    lines.append("gradients: " + ", ".join(grads))
+    return "\n".join(lines)
+
+
+def _op_short(target) -> str:
+    return str(target).split(".")[-2] if str(target).startswith("aten.") else getattr(target, "__name__", str(target))
 
 
 def forge_backend(gm, example_inputs, options=None, **kwargs):

@@ -1,0 +1,763 @@
+"""End-to-end train step (issue 5): FORGE vs torch.compile + fused AdamW on a Llama-style decoder.
+
+  python benchmarks/bench_train_step.py --out DIR              # H200: all routes, all micro-batches
+  python benchmarks/bench_train_step.py --quick --out DIR      # first run: 2 layers, fewer steps, no verification
+  python benchmarks/bench_train_step.py --device cpu --tiny    # CI smoke size (tests/test_bench_train_step.py)
+
+Model: ``Llama`` from examples/train_lm.py (pre-norm RMSNorm, rotary, causal SDPA, SwiGLU, untied lm_head),
+fp32 master weights, bf16 autocast on CUDA (fp32 on CPU), AdamW(lr, betas (0.9, 0.95), weight decay 0.1 on
+matrices and the embedding, 0 on norms). The loss (cross-entropy on fp32 logits) is inside the compiled
+region for every route: the model is wrapped in a module returning the loss, and that module is compiled.
+
+Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynamo caches):
+  baseline  torch.compile(model, dynamic=False) + torch.optim.AdamW(fused=True)
+  step      forge.compile_train_step(forward, loss.backward(), opt.step(), opt.zero_grad(set_to_none=True))
+  backend   torch.compile(model, backend="forge", dynamic=False, options={"optimizer": opt}) + opt.step()
+The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
+UnsupportedOptimizerError for it.
+
+Per run (route, micro-batch): K correctness steps on one fixed random batch (the same in every route; the
+first step includes compilation), W warm-up steps, one step measured for peak memory, N timed steps, each on
+a fresh random token batch (randint over the vocabulary). Parent process: losses of every route against the
+baseline's at the same micro-batch (stated tolerance), every linear weight fused (forge's report), tokens/s
+(median of CUDA-event step times), peak memory and its decomposition, the memory-budget comparison, a table
+printed last; results.json / results.md (and one JSON per run under runs/) in --out, rewritten after each run.
+
+Memory budget: peak(mb) = a + b*mb is fitted per route on the measured micro-batches; B defaults to the
+baseline's fitted peak at --budget-base-mb (1) plus half a sequence, so the baseline fits exactly that; each
+route's largest micro-batch under B follows from its fit, and with --verify-budget (default in the full
+preset, time permitting) a forge route is run once more at that micro-batch to measure its peak against B.
+Each run has --run-timeout seconds; runs that cannot start inside --time-budget (540 s: one 600 s device
+call) are reported as skipped; --reuse keeps ok results of identical runs already under --out/runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ROUTES = ("baseline", "step", "backend")
+GIB = 2 ** 30
+
+# Presets: model shape and run lengths; every field can be overridden by its flag.
+PRESETS = {
+    # ~0.54B parameters (2.2 GB fp32 weights, 4.3 GB AdamW states, 2.2 GB fp32 dW), 8 layers unrolled in
+    # each compiled graph: the compile of one run stays around a minute on the H200 host.
+    "full": dict(d_model=2048, layers=8, heads=16, d_ff=5632, vocab=32000, seq_len=1024, mbs="2,16",
+                 check_steps=3, warmup=3, iters=10, verify_budget=True),
+    "quick": dict(d_model=2048, layers=2, heads=16, d_ff=5632, vocab=32000, seq_len=1024, mbs="2,8",
+                  check_steps=3, warmup=2, iters=5, verify_budget=False),
+    "tiny": dict(d_model=64, layers=1, heads=2, d_ff=128, vocab=128, seq_len=16, mbs="2",
+                 check_steps=3, warmup=1, iters=2, verify_budget=False),
+}
+
+# Loss agreement with the baseline over the K correctness steps (absolute, nats). bf16: two compiled
+# graphs round bf16 intermediates differently; on a 2-layer model (CPU) fp32 vs bf16-autocast AdamW runs
+# differed by <= 1.3e-3 over 4 steps, so 2e-2 leaves a 15x margin, while the fixed-batch loss falls by
+# ~0.8 nats per step (a skipped or wrong update shows at once). fp32: summation order only.
+LOSS_ATOL = {"bf16": 2e-2, "fp32": 1e-3}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model, optimizer, routes (worker side)
+# ---------------------------------------------------------------------------------------------------
+def load_llama():
+    """The Llama class of examples/train_lm.py (only the class and its constructor are relied on)."""
+    path = os.path.join(ROOT, "examples", "train_lm.py")
+    spec = importlib.util.spec_from_file_location("_bench_train_lm", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod        # Dynamo looks the model's module up by name when tracing
+    spec.loader.exec_module(mod)
+    return mod.Llama
+
+
+class WithLoss(nn.Module):
+    """model + next-token cross-entropy, so every route compiles the loss as well."""
+
+    def __init__(self, model, vocab):
+        super().__init__()
+        self.model = model
+        self.vocab = vocab
+
+    def forward(self, x, y):
+        logits = self.model(x)
+        return F.cross_entropy(logits.float().reshape(-1, self.vocab), y.reshape(-1))
+
+
+def linear_weight_names(model):
+    return [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def make_optimizer(model, lr, fused):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def build_optimizer(model, route, lr, forge_fused="auto"):
+    """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
+    unless forge raises UnsupportedOptimizerError for it). Returns (optimizer, fused flag, note)."""
+    if route != "baseline" and forge_fused == "off":
+        return make_optimizer(model, lr, fused=False), False, ""
+    try:
+        opt = make_optimizer(model, lr, fused=True)
+    except (RuntimeError, TypeError, ValueError) as e:   # no fused kernel for this device/dtype
+        return make_optimizer(model, lr, fused=False), False, f"AdamW(fused=True) refused by torch: {e}"
+    if route == "baseline":
+        return opt, True, ""
+    from forge_compile.optim.translate import UnsupportedOptimizerError, plan_optimizer
+    try:
+        plan_optimizer(opt)           # only reads; raises before any state exists
+        return opt, True, ""
+    except UnsupportedOptimizerError as e:
+        if forge_fused == "on":
+            raise
+        return (make_optimizer(model, lr, fused=False), False,
+                f"forge refused AdamW(fused=True), using fused=False ({e})")
+
+
+def make_step(route, wl, opt, autocast):
+    if route == "step":
+        import forge_compile as forge
+
+        def body(x, y):
+            with autocast():
+                loss = wl(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return forge.compile_train_step(body, models=wl, optimizers=opt), None
+
+    if route == "backend":
+        import forge_compile  # noqa: F401  (registers backend="forge")
+        cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt})
+    elif route == "baseline":
+        cm = torch.compile(wl, dynamic=False)
+    else:
+        raise ValueError(route)
+    probe = {"on": False, "grad_bytes": None}
+
+    def train_step(x, y):
+        with autocast():
+            loss = cm(x, y)
+        loss.backward()
+        if probe["on"]:      # the gradients alive when opt.step() starts (host-side metadata only)
+            probe["grad_bytes"] = sum(p.grad.nbytes for g in opt.param_groups for p in g["params"]
+                                      if p.grad is not None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return train_step, probe
+
+
+def fusion_rows(route, step):
+    """forge's report rows as dicts ([] for the baseline)."""
+    if route == "step":
+        reports = [step.last_report] if step.last_report is not None else []
+    elif route == "backend":
+        from forge_compile import backend
+        reports = backend.last_reports()
+    else:
+        return [], []
+    rows = [dict(name=r.name, shape=list(r.shape), fused=bool(r.fused), rule=r.rule, reason=r.reason)
+            for rep in reports for r in rep.rows]
+    notes = [n for rep in reports for n in rep.notes]
+    return rows, notes
+
+
+def match_rows(param_names, rows):
+    """Report row name -> model parameter name (reports prefix the path: 'wl.model.layers.0...')."""
+    out = {}
+    for r in rows:
+        cands = [n for n in param_names if r["name"] == n or r["name"].endswith("." + n)]
+        if cands:
+            out[r["name"]] = max(cands, key=len)
+    return out
+
+
+def random_batch(mb, seq, vocab, device, generator=None):
+    idx = torch.randint(0, vocab, (mb, seq + 1), device=device if generator is None else "cpu",
+                        generator=generator)
+    idx = idx.to(device)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_worker(cfg: dict, res: dict) -> dict:
+    """One route at one micro-batch in this process; fills ``res`` as it goes (kept on a failure)."""
+    route, mb = cfg["route"], cfg["mb"]
+    device = torch.device(cfg["device"])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bf16 = device.type == "cuda" and not cfg["fp32"]
+    res.update(route=route, mb=mb, role=cfg["role"], tokens_per_step=mb * cfg["seq_len"], device=str(device),
+               precision="bf16 autocast" if bf16 else "fp32", torch=torch.__version__)
+    if device.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(device)
+        torch.cuda.set_device(device)
+    Llama = load_llama()
+    with torch.device(device):
+        torch.manual_seed(cfg["seed"])
+        model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"])
+    model.train()
+    wl = WithLoss(model, cfg["vocab"])
+    pnames = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    lin = linear_weight_names(model)
+    res.update(n_params=sum(p.numel() for p in model.parameters()),
+               param_bytes=sum(p.nbytes for p in model.parameters()),
+               linear_weights=len(lin), linear_dw_bytes=sum(params[n].nbytes for n in lin))
+    opt, fused, note = build_optimizer(model, route, cfg["lr"], cfg.get("forge_adamw_fused", "auto"))
+    res.update(adamw_fused=fused, optimizer_note=note)
+    if note:
+        print(f"[{route} mb={mb}] note: {note}", flush=True)
+    autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
+                else contextlib.nullcontext)
+    step, probe = make_step(route, wl, opt, autocast)
+
+    # Correctness steps: one fixed batch, the same in every route (CPU generator, then moved).
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    xc, yc = random_batch(mb, cfg["seq_len"], cfg["vocab"], device, generator=gen)
+    losses, step_s = [], []
+    for _ in range(cfg["check_steps"] if cfg["role"] == "main" else 1):
+        t0 = time.perf_counter()
+        loss = float(step(xc, yc))
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+        print(f"[{route} mb={mb}] check step {len(losses)}: loss {loss:.5f} ({step_s[-1]:.1f} s)", flush=True)
+    res.update(check_losses=losses, first_step_s=step_s[0], check_step_s=step_s)
+    rows, notes = fusion_rows(route, step)
+    m = match_rows(pnames, rows)
+    fused_params = {m[r["name"]] for r in rows if r["fused"] and r["name"] in m}
+    res.update(fusion_rows=rows, fusion_notes=notes,
+               fused_linear=sum(n in fused_params for n in lin),
+               unfused_linear=[n for n in lin if n not in fused_params],
+               fused_other=sorted(fused_params - set(lin)),
+               unmatched_rows=[r["name"] for r in rows if r["name"] not in m])
+    if route != "baseline":
+        print(f"[{route} mb={mb}] forge fused {res['fused_linear']} of {len(lin)} linear weights", flush=True)
+    del xc, yc
+
+    dev_gen = torch.Generator(device=device).manual_seed(cfg["seed"] + 2)
+
+    def fresh():
+        return random_batch(mb, cfg["seq_len"], cfg["vocab"], device) if device.type == "cpu" else \
+            _device_batch(mb, cfg["seq_len"], cfg["vocab"], device, dev_gen)
+
+    for _ in range(cfg["warmup"]):
+        step(*fresh())
+
+    # Peak memory of one steady-state step, absolute (parameters and states included).
+    x, y = fresh()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        res["allocated_before_step"] = torch.cuda.memory_allocated(device)
+    if probe is not None:
+        probe["on"] = True
+    loss = step(x, y)
+    sync(device)
+    if probe is not None:
+        probe["on"] = False
+    res["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    res["state_bytes"] = sum(t.nbytes for st in opt.state.values() for t in st.values()
+                             if isinstance(t, torch.Tensor) and t.device.type == device.type)
+    if route == "step":    # no .grad ever exists; the graph still holds the unfused parameters' dW
+        res["grad_bytes"] = sum(p.nbytes for n, p in params.items() if n not in fused_params)
+        res["grad_bytes_how"] = "unfused parameters' sizes (from forge's report)"
+    else:
+        res["grad_bytes"] = probe["grad_bytes"]
+        res["grad_bytes_how"] = ".grad bytes alive at opt.step() (measured)"
+    del x, y, loss
+
+    if cfg["role"] == "main":
+        batches = [fresh() for _ in range(cfg["iters"])]
+        times = []
+        if device.type == "cuda":
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
+            sync(device)
+            for (s, e), (x, y) in zip(ev, batches):
+                s.record()
+                loss = step(x, y)
+                e.record()
+            sync(device)
+            times = [s.elapsed_time(e) for s, e in ev]
+        else:
+            for x, y in batches:
+                t0 = time.perf_counter()
+                loss = step(x, y)
+                times.append((time.perf_counter() - t0) * 1e3)
+        last = float(loss)
+        res.update(step_ms=times, median_ms=statistics.median(times), last_timed_loss=last,
+                   compiles=_compile_count(route, step),
+                   tokens_per_s=mb * cfg["seq_len"] / (statistics.median(times) / 1e3),
+                   timing="CUDA events" if device.type == "cuda" else "perf_counter")
+        if not math.isfinite(last):
+            raise RuntimeError(f"non-finite loss {last} in the timed steps")
+    res["status"] = "ok"
+    return res
+
+
+def _compile_count(route, step):
+    """Compilations in this process (more than one: a recompile happened after the first step)."""
+    try:
+        if route == "step":
+            return step.compile_count
+        from torch._dynamo.utils import counters
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001  informative only
+        return None
+
+
+def _device_batch(mb, seq, vocab, device, gen):
+    idx = torch.randint(0, vocab, (mb, seq + 1), device=device, generator=gen)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def worker_main(config_path):
+    with open(config_path) as f:
+        cfg = json.load(f)
+    res = dict(route=cfg["route"], mb=cfg["mb"], role=cfg["role"])
+    try:
+        run_worker(cfg, res)
+    except BaseException as e:  # noqa: BLE001  every failure becomes a row of the table
+        oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+        res.update(status="OOM" if oom else "error", error=f"{type(e).__name__}: {e}"[-2000:],
+                   traceback=traceback.format_exc()[-6000:])
+        traceback.print_exc()
+    with open(cfg["result_path"] + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(cfg["result_path"] + ".tmp", cfg["result_path"])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parent: schedule runs, analyse, print
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Runner:
+    cfg: dict
+    out: str
+    deadline: float
+    run_timeout: float
+    reuse: bool
+    log: callable
+
+    def run(self, route, mb, role="main", min_time=20.0):
+        name = f"{route}_mb{mb}" + ("" if role == "main" else f"_{role}")
+        runs = os.path.join(self.out, "runs")
+        os.makedirs(runs, exist_ok=True)
+        result_path = os.path.join(runs, name + ".json")
+        cfg = dict(self.cfg, route=route, mb=mb, role=role, result_path=result_path)
+        key = {k: v for k, v in cfg.items() if k not in ("result_path",)}
+        if self.reuse and os.path.exists(result_path):
+            with open(result_path) as f:
+                old = json.load(f)
+            if old.get("status") == "ok" and old.get("config") == key:
+                self.log(f"{name}: reusing {result_path}")
+                return old
+        if os.path.exists(result_path):
+            os.remove(result_path)
+        left = self.deadline - time.monotonic()
+        if left < min_time:
+            self.log(f"{name}: skipped, {left:.0f} s left of --time-budget")
+            return dict(route=route, mb=mb, role=role, status="skipped",
+                        error=f"not started: {left:.0f} s left of --time-budget")
+        timeout = min(self.run_timeout, left)
+        cfg_path = os.path.join(runs, name + ".config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        log_path = os.path.join(self.out, "logs", name + ".log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        self.log(f"{name}: running (timeout {timeout:.0f} s, log {log_path})")
+        t0 = time.monotonic()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        with open(log_path, "w") as logf:
+            # Own session: a timeout kills the worker and the compile workers it started, nothing else.
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", cfg_path],
+                                    stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+        wall = time.monotonic() - t0
+        if os.path.exists(result_path):
+            with open(result_path) as f:
+                res = json.load(f)
+        else:
+            res = dict(route=route, mb=mb, role=role,
+                       status="timeout" if timed_out else "crashed",
+                       error=(f"killed after {timeout:.0f} s" if timed_out else f"exit code {rc}, no result")
+                       + "; log tail: " + _tail(log_path, 1500))
+        res["wall_s"] = wall
+        res["config"] = key
+        res["log"] = log_path
+        with open(result_path, "w") as f:
+            json.dump(res, f)
+        self.log(f"{name}: {res['status']} in {wall:.0f} s"
+                 + (f" -- {res.get('error', '')[:300]}" if res["status"] != "ok" else ""))
+        return res
+
+
+def _tail(path, n):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def fit_line(points):
+    """Least-squares peak = a + b * mb over [(mb, peak_bytes)]; None with fewer than 2 distinct mbs."""
+    pts = [(float(m), float(p)) for m, p in points if p is not None]
+    if len({m for m, _ in pts}) < 2:
+        return None
+    n = len(pts)
+    mx = sum(m for m, _ in pts) / n
+    my = sum(p for _, p in pts) / n
+    b = sum((m - mx) * (p - my) for m, p in pts) / sum((m - mx) ** 2 for m, _ in pts)
+    return my - b * mx, b
+
+
+def largest_mb(fit, budget):
+    a, b = fit
+    if b <= 0:
+        return None
+    return max(0, math.floor((budget - a) / b))
+
+
+def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
+    """Comparisons against the baseline; pure function of the run results (unit-tested)."""
+    main = {(r["route"], r["mb"]): r for r in results if r.get("role", "main") == "main"}
+    ok = lambda r: r is not None and r.get("status") == "ok"
+    tol = LOSS_ATOL["bf16" if cfg["device"].startswith("cuda") and not cfg["fp32"] else "fp32"]
+    rows = []
+    for (route, mb), r in sorted(main.items(), key=lambda kv: (kv[0][1], ROUTES.index(kv[0][0]))):
+        base = main.get(("baseline", mb))
+        row = dict(route=route, mb=mb, status=r.get("status"), error=r.get("error"),
+                   tokens_per_step=mb * cfg["seq_len"])
+        if ok(r):
+            row.update(median_ms=r.get("median_ms"), tokens_per_s=r.get("tokens_per_s"),
+                       peak_bytes=r.get("peak_bytes"), first_step_s=r.get("first_step_s"),
+                       adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"])
+            if route != "baseline":
+                row["fused_linear"] = r["fused_linear"]
+                row["all_linear_fused"] = r["fused_linear"] == r["linear_weights"]
+            comp = [("params", r["param_bytes"]), ("states", r["state_bytes"]), ("grads", r.get("grad_bytes"))]
+            row["decomposition"] = dict(comp)
+            if r.get("peak_bytes") is not None and r.get("grad_bytes") is not None:
+                row["decomposition"]["activations_other"] = r["peak_bytes"] - sum(v for _, v in comp)
+        if ok(r) and ok(base):
+            d = [abs(a - b) for a, b in zip(r["check_losses"], base["check_losses"])]
+            drop = base["check_losses"][0] - base["check_losses"][-1]
+            row.update(loss_max_abs_diff=max(d) if d else None, loss_tol=tol, baseline_loss_drop=drop,
+                       loss_ok=bool(d) and max(d) <= tol)
+            if r.get("median_ms") and base.get("median_ms"):
+                row["speedup"] = base["median_ms"] / r["median_ms"]
+            if r.get("peak_bytes") is not None and base.get("peak_bytes") is not None:
+                row["peak_saved_bytes"] = base["peak_bytes"] - r["peak_bytes"]
+                row["peak_saved_frac_of_linear_dw"] = row["peak_saved_bytes"] / r["linear_dw_bytes"]
+        rows.append(row)
+
+    budget = None
+    fits = {}
+    for route in ROUTES:
+        pts = [(r["mb"], r["peak_bytes"]) for (rt, _), r in main.items() if rt == route and ok(r)]
+        f = fit_line(pts)
+        if f is not None:
+            fits[route] = dict(a=f[0], b=f[1], points=sorted(pts))
+    if "baseline" in fits:
+        fb = fits["baseline"]
+        if budget_gib:
+            b_bytes, how = budget_gib * GIB, f"--budget-gib {budget_gib:g}"
+        else:
+            # Half a sequence of slack: the baseline fits exactly budget_base_mb, robust to noise.
+            b_bytes = fb["a"] + fb["b"] * (budget_base_mb + 0.5)
+            how = (f"the baseline's fitted peak at micro-batch {budget_base_mb} + half a sequence's "
+                   "activations, so the baseline fits exactly that micro-batch")
+        any_ok = next(r for r in main.values() if ok(r))
+        ps = any_ok["param_bytes"] + main[("baseline", fb["points"][0][0])]["state_bytes"]
+        budget = dict(budget_bytes=b_bytes, how=how, params_plus_states_bytes=ps,
+                      params_plus_states_share=ps / b_bytes, routes={})
+        base_max = largest_mb((fb["a"], fb["b"]), b_bytes)
+        for route, f in fits.items():
+            m = largest_mb((f["a"], f["b"]), b_bytes)
+            budget["routes"][route] = dict(fit_a_bytes=f["a"], fit_b_bytes_per_seq=f["b"], points=f["points"],
+                                           largest_mb=m,
+                                           ratio_vs_baseline=(m / base_max) if m is not None and base_max else None)
+        for route, v in budget["routes"].items():
+            # A measured run at the predicted micro-batch (a verify run, else a main run at that mb).
+            runs = [r for r in results if r.get("route") == route and r.get("mb") == v["largest_mb"]]
+            runs.sort(key=lambda r: (r.get("role") != "verify", not ok(r)))
+            if runs:
+                r = runs[0]
+                v.update(verified_mb=r["mb"], verified_status=r.get("status"))
+                if ok(r) and r.get("peak_bytes") is not None:
+                    v.update(verified_peak_bytes=r["peak_bytes"], verified_fits=r["peak_bytes"] <= b_bytes)
+    return dict(rows=rows, budget=budget, loss_tol=tol, verdicts=verdicts(rows, budget))
+
+
+def verdicts(rows, budget):
+    """The issue's three end-to-end requirements, per forge route (None where not measured)."""
+    ok_rows = [r for r in rows if r["status"] == "ok"]
+    mbs = sorted({r["mb"] for r in ok_rows})
+    out = {}
+    for route in ROUTES[1:]:
+        mine = [r for r in ok_rows if r["route"] == route]
+        if not mine:
+            continue
+        # At the smallest micro-batch: there the step's peak is where every gradient is alive (opt.step());
+        # at large ones it can move to the start of backward (activations), where few dW exist yet.
+        mem = [r["peak_saved_frac_of_linear_dw"] for r in mine
+               if r["mb"] == mbs[0] and r.get("peak_saved_frac_of_linear_dw") is not None]
+        small = [r.get("speedup") for r in mine if r["mb"] == mbs[0] and r.get("speedup") is not None]
+        large = [r.get("speedup") for r in mine if r["mb"] == mbs[-1] and r.get("speedup") is not None] \
+            if len(mbs) > 1 else []
+        b = (budget or {}).get("routes", {}).get(route, {})
+        fused_ok = all(r.get("all_linear_fused") for r in mine)
+        losses = [r.get("loss_ok") for r in mine]
+        correct = (False if not fused_ok or False in losses else None if None in losses else True)
+        ratio = b.get("ratio_vs_baseline")
+        out[route] = dict(
+            correct=correct,
+            peak_drop_ge_95pct_of_linear_dw=(mem[0] >= 0.95) if mem else None,
+            budget_mb_ge_2x=None if ratio is None else (ratio >= 2 and b.get("verified_fits") is not False),
+            speedup_ge_1_2x_at_smallest_mb=(small[0] >= 1.2) if small else None,
+            not_slower_at_largest_mb=(large[0] >= 1.0) if large else None)
+    return out
+
+
+_UNIT = [GIB, "GiB"]
+
+
+def _g(n):
+    return "-" if n is None else f"{n / _UNIT[0]:.2f}"
+
+
+def _table(head, body):
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(b) for b in body])
+
+
+def render(cfg, analysis, results, header):
+    """Markdown text: method, decomposition, budget, then the main table last."""
+    out = [header, ""]
+    rows = analysis["rows"]
+    big = max((r.get("param_bytes") or 0 for r in results), default=0) >= GIB // 2
+    _UNIT[:] = [GIB, "GiB"] if big else [2 ** 20, "MiB"]
+    u = _UNIT[1]
+    notes = sorted({r.get("optimizer_note") for r in results if r.get("optimizer_note")})
+    out += [f"note: {n}" for n in notes]
+    dec = [r for r in rows if r.get("decomposition")]
+    if dec:
+        out += ["", f"Peak memory of one steady-state step (torch.cuda.max_memory_allocated after "
+                f"reset_peak_memory_stats, absolute), {u}. grads: baseline/backend = .grad bytes alive at "
+                "opt.step() (measured); step = sizes of the parameters forge left unfused (no .grad exists). "
+                "activations+other = peak - params - states - grads (includes bf16 weight copies, the batch, "
+                "workspace; exact only if the peak is where all gradients are alive, else it absorbs the "
+                "difference). On CPU no peak is measured.", ""]
+        body = []
+        for r in dec:
+            d = r["decomposition"]
+            body.append([r["route"], r["mb"], _g(r.get("peak_bytes")), _g(d["params"]), _g(d["states"]),
+                         _g(d.get("grads")), _g(d.get("activations_other")),
+                         "-" if r.get("peak_saved_frac_of_linear_dw") is None or r["route"] == "baseline"
+                         else f"{100 * r['peak_saved_frac_of_linear_dw']:.1f} %"])
+        out.append(_table(["route", "mb", "peak", "params", "states", "grads", "activations+other",
+                           "peak drop vs baseline, % of linear dW"], body))
+    b = analysis.get("budget")
+    if b:
+        out += ["", f"Memory budget B = {_g(b['budget_bytes'])} {u} ({b['how']}); parameters + AdamW states "
+                f"= {_g(b['params_plus_states_bytes'])} {u} = {100 * b['params_plus_states_share']:.0f} % of B. "
+                "Method: peak(mb) = a + b*mb fitted per route on the measured points (least squares), largest "
+                "mb = floor((B - a) / b); 'verified' = a separate run at that mb, its measured peak vs B.", ""]
+        body = []
+        for route, v in b["routes"].items():
+            pts = ", ".join(f"mb {m}: {_g(p)}" for m, p in v["points"])
+            ver = "-"
+            if "verified_status" in v:
+                ver = (f"mb {v['verified_mb']}: {_g(v.get('verified_peak_bytes'))} {u} "
+                       f"{'<= B' if v.get('verified_fits') else '> B'}") if v["verified_status"] == "ok" \
+                    else f"mb {v['verified_mb']}: {v['verified_status']}"
+            body.append([route, pts, f"{_g(v['fit_a_bytes'])} + {_g(v['fit_b_bytes_per_seq'])}*mb",
+                         v["largest_mb"], "-" if v["ratio_vs_baseline"] is None else f"{v['ratio_vs_baseline']:.2f}x",
+                         ver])
+        out.append(_table(["route", f"measured peaks ({u})", f"fit ({u})", "largest mb under B", "vs baseline",
+                           "verified"], body))
+    failed = [r for r in results if r.get("status") != "ok"]
+    if failed:
+        out += ["", "Runs that failed (full error and traceback in results.json and the log):"]
+        out += [f"- {r.get('route')} mb {r.get('mb')} ({r.get('role', 'main')}): {r.get('status')}: "
+                f"{(r.get('error') or '')[:400]}" + (f" [log {r['log']}]" if r.get("log") else "") for r in failed]
+    vd = analysis.get("verdicts") or {}
+    if vd:
+        yn = lambda v: "n/a" if v is None else ("PASS" if v else "FAIL")
+        out += ["", "Issue 5 requirements (smallest mb = fine-tuning size, largest = large batch):", ""]
+        out.append(_table(["route", "losses + all linear fused", "peak drop >= 95 % of linear dW at smallest mb",
+                           "largest mb under B >= 2x", "speedup >= 1.2x at smallest mb",
+                           "not slower at largest mb"],
+                          [[rt, yn(v["correct"]), yn(v["peak_drop_ge_95pct_of_linear_dw"]), yn(v["budget_mb_ge_2x"]),
+                            yn(v["speedup_ge_1_2x_at_smallest_mb"]), yn(v["not_slower_at_largest_mb"])]
+                           for rt, v in vd.items()]))
+    out += ["", f"Main table: median step time over {cfg['iters']} timed steps after {cfg['warmup']} warm-up "
+            f"steps ({'CUDA events' if cfg['device'].startswith('cuda') else 'perf_counter'}; compile steps "
+            f"excluded), fresh random token batches. loss check: max |loss - baseline loss| over the first "
+            f"{cfg['check_steps']} steps on one fixed random batch, tolerance {analysis['loss_tol']:g} nats "
+            "(the baseline's own loss drop over those steps in brackets).", ""]
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append([r["route"], r["mb"], r["tokens_per_step"], r["status"], "-", "-", "-", "-", "-", "-",
+                         (r.get("error") or "")[:80].replace("|", "/").replace("\n", " ")])
+            continue
+        fusedcol = "-" if r["route"] == "baseline" else f"{r['fused_linear']}/{r['linear_weights']}" + \
+            ("" if r["all_linear_fused"] else " FAIL")
+        loss = "-" if r["route"] == "baseline" or r.get("loss_max_abs_diff") is None else \
+            f"{r['loss_max_abs_diff']:.1e} {'ok' if r['loss_ok'] else 'FAIL'} ({r['baseline_loss_drop']:.2f})"
+        body.append([r["route"], r["mb"], r["tokens_per_step"], "ok", f"{r['median_ms']:.2f}",
+                     f"{r['tokens_per_s']:,.0f}", "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+                     _g(r.get("peak_bytes")), fusedcol, loss,
+                     f"compile step {r['first_step_s']:.0f} s" + ("" if r.get("adamw_fused", True)
+                                                                  else "; AdamW fused=False")])
+    out.append(_table(["route", "mb", "tokens/step", "status", "median ms", "tokens/s", "speedup",
+                       f"peak {u}", "linear fused", "loss check", "notes"], body))
+    return "\n".join(out)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_train_step_out"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="2 layers, micro-batches 2 and 8, no verification runs")
+    size.add_argument("--tiny", action="store_true", help="CI smoke size (use with --device cpu)")
+    p.add_argument("--routes", default=",".join(ROUTES))
+    p.add_argument("--mbs", help="micro-batches (sequences per step), comma-separated")
+    for k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len", "check_steps", "warmup", "iters"):
+        p.add_argument("--" + k.replace("_", "-"), type=int)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--budget-gib", type=float, help="memory budget; default: anchored on the baseline (below)")
+    p.add_argument("--budget-base-mb", type=int, default=1,
+                   help="default budget = the baseline's fitted peak at this micro-batch + half a sequence")
+    v = p.add_mutually_exclusive_group()
+    v.add_argument("--verify-budget", dest="verify_budget", action="store_true", default=None,
+                   help="one extra run per forge route at its predicted largest micro-batch (default in full)")
+    v.add_argument("--no-verify-budget", dest="verify_budget", action="store_false")
+    p.add_argument("--run-timeout", type=float, default=300, help="seconds per subprocess")
+    p.add_argument("--time-budget", type=float, default=540,
+                   help="seconds for the whole run; runs that would start later are skipped and reported")
+    p.add_argument("--forge-adamw-fused", choices=("auto", "on", "off"), default="auto",
+                   help="AdamW(fused=...) in the forge routes; auto: True unless forge refuses it (printed)")
+    p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
+    args = p.parse_args(argv)
+    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
+    for k, val in preset.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, val)
+    return args
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker_main(argv[1])
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    routes = [r for r in args.routes.split(",") if r]
+    bad = set(routes) - set(ROUTES)
+    if bad:
+        raise SystemExit(f"unknown routes {sorted(bad)}; known: {', '.join(ROUTES)}")
+    mbs = [int(m) for m in str(args.mbs).split(",") if m]
+    cfg = dict(device=args.device, fp32=bool(args.fp32), d_model=args.d_model, layers=args.layers,
+               heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
+               seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
+               forge_adamw_fused=args.forge_adamw_fused)
+    lines = []
+
+    def log(s):
+        lines.append(s)
+        print(f"[bench {time.monotonic() - t_start:5.0f} s] {s}", flush=True)
+
+    # No CUDA call in the parent: its context would sit on the GPU next to every worker's.
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    header = (f"bench_train_step  {stamp}  device {args.device} ({{gpu}})  torch {torch.__version__}\n"
+              f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
+              f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}, fp32 master "
+              f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}")
+    log(header.replace("\n", "; ").replace(" ({gpu})", ""))
+    runner = Runner(cfg, args.out, t_start + args.time_budget, args.run_timeout, args.reuse, log)
+    results = []
+
+    def write():
+        an = analyse(cfg, results, args.budget_gib, args.budget_base_mb)
+        gpu = next((r["gpu"] for r in results if r.get("gpu")), "-")
+        text = render(cfg, an, results, header.replace("{gpu}", gpu))
+        summary = dict(config=cfg, routes=routes, mbs=mbs, analysis=an, runs=results,
+                       budget_args=dict(budget_gib=args.budget_gib, budget_base_mb=args.budget_base_mb),
+                       elapsed_s=time.monotonic() - t_start)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(text + "\n")
+        return summary, text
+
+    # Small micro-batch of every route first: the fine-tuning comparison survives a short time budget.
+    for mb in mbs:
+        for route in routes:
+            results.append(runner.run(route, mb))
+            write()
+    if args.verify_budget and args.device.startswith("cuda"):
+        an = analyse(cfg, results, args.budget_gib, args.budget_base_mb)
+        b = an.get("budget")
+        for route in routes:
+            v = (b or {}).get("routes", {}).get(route)
+            if route == "baseline" or not v or not v.get("largest_mb") or v["largest_mb"] in mbs:
+                continue
+            # Only when a run of this route can finish in the time left (its main runs' longest wall time).
+            need = max((r.get("wall_s", 0) for r in results if r.get("route") == route), default=0) * 1.2 + 10
+            results.append(runner.run(route, v["largest_mb"], role="verify", min_time=need))
+            write()
+    summary, text = write()
+    print("\n" + text, flush=True)
+    print(f"\nwritten: {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'results.md')} "
+          f"({time.monotonic() - t_start:.0f} s)", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    out = main()
+    sys.exit(out if isinstance(out, int) else 0)

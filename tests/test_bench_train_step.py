@@ -1,0 +1,120 @@
+"""benchmarks/bench_train_step.py: the analysis on synthetic results, and one CPU smoke run of main().
+
+The smoke run is the --tiny preset (1 layer, d_model 64, seq 16, micro-batch 2) for 2 check steps, 1 warm-up
+and 2 timed steps per route, each route in its own subprocess as on the GPU: about a minute on 2 CPU
+cores, nearly all of it compilation.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import bench_train_step as bench  # noqa: E402
+
+GIB = 2 ** 30
+CFG = dict(device="cuda", fp32=False, seq_len=1024, check_steps=3, warmup=3, iters=10)
+
+
+def _run(route, mb, peak_gib, ms, losses=(10.8, 9.9, 9.0), fused=None, role="main"):
+    return dict(route=route, mb=mb, role=role, status="ok", median_ms=ms, tokens_per_s=mb * 1024 / (ms / 1e3),
+                peak_bytes=int(peak_gib * GIB), first_step_s=60.0, adamw_fused=True, linear_weights=10,
+                fused_linear=10 if fused is None else fused, param_bytes=2 * GIB, state_bytes=4 * GIB,
+                grad_bytes=2 * GIB if route == "baseline" else GIB // 8, linear_dw_bytes=int(1.8 * GIB),
+                check_losses=list(losses))
+
+
+def _synthetic():
+    # baseline: peak = 9 + 1*mb GiB; forge routes: 2 GiB lower at every mb (7 + 1*mb).
+    return [_run("baseline", 2, 11, 100), _run("step", 2, 9, 80, losses=(10.8, 9.905, 9.01)),
+            _run("backend", 2, 9.1, 90, fused=9),
+            _run("baseline", 16, 25, 600), _run("step", 16, 23, 590), _run("backend", 16, 23.1, 650,
+                                                                             losses=(10.8, 9.5, 9.0))]
+
+
+def test_fit_and_largest_micro_batch():
+    a, b = bench.fit_line([(2, 11.0), (16, 25.0)])
+    assert a == pytest.approx(9.0) and b == pytest.approx(1.0)
+    assert bench.largest_mb((a, b), 12.5) == 3
+    assert bench.fit_line([(2, 11.0)]) is None and bench.fit_line([(2, 11.0), (2, 12.0)]) is None
+
+
+def test_analyse_compares_with_the_baseline():
+    an = bench.analyse(CFG, _synthetic())
+    rows = {(r["route"], r["mb"]): r for r in an["rows"]}
+    step2 = rows[("step", 2)]
+    assert step2["speedup"] == pytest.approx(100 / 80)
+    assert step2["peak_saved_frac_of_linear_dw"] == pytest.approx(2 / 1.8)
+    assert step2["loss_ok"] and step2["loss_max_abs_diff"] == pytest.approx(0.01)
+    assert step2["decomposition"]["activations_other"] == int(9 * GIB) - 2 * GIB - 4 * GIB - GIB // 8
+    assert not rows[("backend", 2)]["all_linear_fused"]           # 9 of 10 linear weights
+    assert not rows[("backend", 16)]["loss_ok"]                  # 0.4 nats off at step 2: a wrong update
+    # Default budget: the baseline's fit at mb 1 + half a sequence = 10.5 GiB -> baseline 1, forge 3.
+    b = an["budget"]
+    assert b["budget_bytes"] == pytest.approx(10.5 * GIB)
+    assert b["routes"]["baseline"]["largest_mb"] == 1 and b["routes"]["step"]["largest_mb"] == 3
+    assert b["routes"]["step"]["ratio_vs_baseline"] == pytest.approx(3.0)
+    v = an["verdicts"]
+    assert v["step"] == dict(correct=True, peak_drop_ge_95pct_of_linear_dw=True, budget_mb_ge_2x=True,
+                             speedup_ge_1_2x_at_smallest_mb=True, not_slower_at_largest_mb=True)
+    assert v["backend"]["correct"] is False and v["backend"]["not_slower_at_largest_mb"] is False
+
+
+def test_budget_verification_and_explicit_budget():
+    res = _synthetic() + [_run("step", 3, 10.6, 120, role="verify")]   # measured above the fitted 10.0
+    an = bench.analyse(CFG, res)
+    s = an["budget"]["routes"]["step"]
+    assert s["verified_mb"] == 3 and s["verified_fits"] is False
+    assert an["verdicts"]["step"]["budget_mb_ge_2x"] is False
+    an = bench.analyse(CFG, _synthetic(), budget_gib=13.5)
+    assert an["budget"]["routes"]["baseline"]["largest_mb"] == 4 and an["budget"]["routes"]["step"]["largest_mb"] == 6
+
+
+def test_failed_runs_are_rows_not_crashes():
+    res = _synthetic()
+    res[1] = dict(route="step", mb=2, role="main", status="timeout", error="killed after 300 s")
+    an = bench.analyse(CFG, res)
+    text = bench.render(CFG, an, res, "header")
+    row = next(r for r in an["rows"] if (r["route"], r["mb"]) == ("step", 2))
+    assert row["status"] == "timeout"
+    lines = text.splitlines()
+    assert lines[-1].startswith("| backend  | 16 ")                  # the main table is last
+    assert any(l.startswith("| step     | 2 ") and "| timeout |" in l for l in lines[-6:])
+    assert "- step mb 2 (main): timeout: killed after 300 s" in text
+    assert an["verdicts"]["step"]["speedup_ge_1_2x_at_smallest_mb"] is None      # not measured, not a pass
+
+
+def test_cpu_smoke_run_of_main(tmp_path, capsys):
+    out = tmp_path / "out"
+    summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2",
+                          "--warmup", "1", "--iters", "2", "--time-budget", "600"])
+    printed = capsys.readouterr().out
+    runs = {r["route"]: r for r in summary["runs"]}
+    assert set(runs) == {"baseline", "step", "backend"}
+    for route, r in runs.items():
+        assert r["status"] == "ok", (route, r.get("error"), r.get("traceback"))
+        assert len(r["check_losses"]) == 2 and all(math.isfinite(l) for l in r["check_losses"])
+        assert len(r["step_ms"]) == 2 and r["median_ms"] > 0
+    for route in ("step", "backend"):
+        r = runs[route]
+        assert r["linear_weights"] == 8 and r["fused_linear"] == 8 and r["unfused_linear"] == []
+        assert not r["unmatched_rows"]
+        # the embedding and the norms stay unfused: their gradient is alive in the step
+        assert r["grad_bytes"] == r["param_bytes"] - r["linear_dw_bytes"]
+    assert runs["baseline"]["grad_bytes"] == runs["baseline"]["param_bytes"]
+    rows = {r["route"]: r for r in summary["analysis"]["rows"]}
+    assert rows["step"]["loss_ok"] and rows["backend"]["loss_ok"]
+    assert summary["analysis"]["verdicts"]["step"]["correct"] is True
+    with open(out / "results.json") as f:
+        assert json.load(f)["analysis"]["rows"]
+    md = (out / "results.md").read_text()
+    assert "| route" in md and "8/8" in md
+    # the table is printed last, before the line naming the written files
+    tail = [l for l in printed.splitlines() if l.strip()]
+    assert tail[-1].startswith("written:") and tail[-3].startswith("| step ") and tail[-2].startswith("| backend ")
+    assert sorted(os.listdir(out / "runs")) == sorted(
+        f"{r}_mb2{ext}" for r in ("baseline", "step", "backend") for ext in (".json", ".config.json"))

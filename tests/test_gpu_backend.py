@@ -1,0 +1,106 @@
+"""The Dynamo route (backend="forge") on CUDA: numerics vs eager torch.optim and the peak memory of a
+steady-state step vs torch.compile(model) + AdamW(fused=True). Run on the H200; skipped without CUDA."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import forge_compile.backend as fb
+from forge_compile.optim.lion import Lion
+from models import TinyLM
+
+pytestmark = pytest.mark.gpu
+
+MAKE = {"adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        "lion": lambda p: Lion(p, lr=3e-4, weight_decay=0.1)}
+LR = {"adamw": 3e-3, "sgd": 0.05, "lion": 3e-4}
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    fb.clear_reports()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "lion"])
+def test_cuda_backend_matches_eager(opt_name, autocast):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TinyLM().cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = MAKE[opt_name](model.parameters()), MAKE[opt_name](ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+    for _ in range(STEPS):
+        idx = torch.randint(0, 40, (4, 33), device="cuda")
+        x, y = idx[:, :-1], idx[:, 1:]
+        for m, o in ((cm, opt), (ref, ref_opt)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = m(x)
+            _loss(out, y).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert len(fb.last_report().fused) == 5, str(fb.last_report())
+    # fp32: IEEE dots in the kernel vs cuBLAS, another summation order amplified by Adam/Lion's
+    # normalisation (as tests/test_gpu_train_step.py). bf16: Inductor and eager round bf16
+    # intermediates differently and the kernel keeps dW in fp32 where eager rounds it to bf16;
+    # Adam/Lion move a weight by at most ~2*lr per step whatever the gradient error: 2*lr*steps.
+    lr = LR[opt_name]
+    if autocast:
+        tol = 2 * lr * STEPS if opt_name != "sgd" else 1e-3
+    else:
+        tol = 2 * lr * STEPS + 1e-6 if opt_name == "lion" else 1e-4
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        err = (a - b).abs().max().item()
+        assert err <= tol, (n, err, tol)
+
+
+def _peak_step(route, autocast, d=2048, layers=4, tokens=512):
+    """Peak memory of one steady-state train step above what is allocated before it."""
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=(route == "baseline"))
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt}) if route == "forge" \
+        else torch.compile(model)
+    x = torch.randn(tokens, d, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = cm(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(); step()
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step(); torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, layers * d * d * 4
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_backend_peak_memory_vs_torch_compile_baseline(autocast):
+    fused, dw = _peak_step("forge", autocast)
+    assert {r.name for r in fb.last_report().fused} == {f"{i}.weight" for i in range(4)}, str(fb.last_report())
+    base, _ = _peak_step("baseline", autocast)
+    out = os.environ.get("FORGE_RESULTS")
+    if out:
+        with open(os.path.join(out, f"gpu_backend_peak_memory_autocast{int(autocast)}.json"), "w") as f:
+            json.dump({"forge_backend_step_peak_bytes": fused, "baseline_step_peak_bytes": base,
+                       "dW_bytes": dw}, f)
+    # The baseline holds every fp32 dW (4 x 16 MiB) when opt.step() runs; the fused step never holds
+    # one whole dW (activations of 512 tokens and bf16 weight copies are small next to it). Not yet
+    # measured on the H200 for this route: the bound is the same as compile_train_step's.
+    assert base >= dw and fused < 0.6 * dw, (fused, base, dw)
