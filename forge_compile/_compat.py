@@ -128,3 +128,15 @@ def deepcopy_graph_module(gm):
 
     with unset_fake_temporarily():
         return copy.deepcopy(gm)
+
+
+def drop_stale_user_visible_outputs(gm) -> None:
+    """compile_fx records which backward outputs are user visible (their strides kept) before our
+    inner_compile runs; forge then turns fused gradients into None outputs. A stale index makes
+    Inductor's padding pass (on by default on CUDA: comprehensive_padding) read ``None.target``."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    idxs = out.meta.get("user_visible_output_idxs")
+    if idxs is None:
+        return
+    args = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
+    out.meta["user_visible_output_idxs"] = [i for i in idxs if i < len(args) and isinstance(args[i], torch.fx.Node)]

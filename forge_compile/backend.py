@@ -573,6 +573,7 @@ class _Compilation:
         _record(report, BackwardGraphs(captured, rewritten, roles if roles is not None else
                                        "nothing rewritten: " + "; ".join(report.notes)))
         log.info("forge: compiled backward\n%s", report)
+        _compat.drop_stale_user_visible_outputs(gm)
         _compat.reset_reinplace_counters()
         with _compat.inductor_config_for_forge():
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)

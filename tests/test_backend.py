@@ -459,3 +459,23 @@ def test_adamw_foreach_or_fused_flag(flag):
     model = DeepMLP()
     opt, ref, ref_opt, _ = _train_both(model, make, _mlp_batches(), F.mse_loss, fused_names=MLP_WEIGHTS)
     _assert_same(model, opt, ref, ref_opt, flag)
+
+
+def test_user_visible_outputs_skip_none_gradients(monkeypatch):
+    """On CUDA Inductor's comprehensive padding walks the backward's user-visible outputs, recorded
+    before forge turns fused gradients into None outputs: that crashed the H200 run (AttributeError:
+    'NoneType' object has no attribute 'target'). On CPU compile_fx switches that padding off, so the
+    test runs the same walk unconditionally."""
+    import torch._inductor.graph as inductor_graph
+
+    orig = inductor_graph.mark_nodes_dislike_padding
+
+    def walk_always(g, user_visible):
+        inductor_graph.extend_user_visible_output_strides(user_visible)
+        return orig(g, user_visible)
+
+    monkeypatch.setattr(inductor_graph, "mark_nodes_dislike_padding", walk_always)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)   # a cache hit skips the walk
+    opt, ref, ref_opt, cm = _train_both(TinyLM(), OPTIMIZERS["adamw"], _lm_batches(3), _lm_loss,
+                                        fused_names=LM_WEIGHTS)
+    assert {r.name for r in fb.last_report().fused} == LM_WEIGHTS

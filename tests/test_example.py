@@ -4,6 +4,7 @@ Each run is the tiny preset shrunk further (1 layer, seq 32, batch 2, one eval b
 spends its time compiling, not training; on 2 CPU cores each test stays well under a minute.
 """
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -36,7 +37,10 @@ def _check_result(r, steps):
     assert len(r["losses"]) == steps
     assert all(math.isfinite(l) for l in r["losses"])
     assert math.isfinite(r["val_loss"]) and r["peak_memory_bytes"] > 0
-    assert r["tokens_per_s"] > 0
+    assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    # the first steps (compilation) are left out of tokens/s, but at least one step is always timed
+    assert r["untimed_steps"] == min(3, steps - 1) and r["timed_steps"] == steps - r["untimed_steps"]
+    assert len(r["step_times_s"]) == steps and r["first_step_s"] == r["step_times_s"][0]
     assert 0 < r["unigram_entropy"] < math.log(256)
 
 
@@ -48,10 +52,12 @@ def test_route_step(step_run_4):
     assert "forge fusion report" in report and "model.lm_head.weight" in report
 
 
-def test_route_off_matches_step(step_run_4):
-    r = run("--route", "off", "--steps", "4")
+def test_route_off_matches_step(step_run_4, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("--route", "off", "--steps", "4", "--results-json", str(out))
     _check_result(r, 4)
     assert r["fusion_report"] is None
+    assert json.loads(out.read_text())["losses"] == r["losses"]
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
 
 
@@ -59,6 +65,7 @@ def test_route_off_matches_step(step_run_4):
 def test_route_backend(step_run_4):
     r = run("--route", "backend", "--steps", "4")
     _check_result(r, 4)
+    assert "forge fusion report (backward)" in r["fusion_report"] and "lm_head.weight" in r["fusion_report"]
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
 
 
@@ -111,3 +118,18 @@ def test_data_and_schedule_are_deterministic():
         sched.step()
     assert max(lrs) == pytest.approx(args.lr) and lrs[-1] < lrs[1]
     assert model(x1).shape == (2, 32, 256)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_model_builds_offline(family):
+    """--hf builds the transformers model from a config (no download); training it is covered by
+    tests/test_hf_models.py against eager torch.optim, so only the construction is checked here."""
+    pytest.importorskip("transformers")
+    assert train_lm.parse_args(TINY + ["--hf"]).hf == "llama" and train_lm.parse_args(TINY).hf is None
+    args = train_lm.parse_args(TINY + ["--hf", family])
+    model = train_lm.build_model(args)
+    hf = model.model
+    assert type(hf).__name__ == train_lm.HF_FAMILIES[family][1]
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == train_lm.HF_FAMILIES[family][2]
+    assert hf.config._attn_implementation == "sdpa" and hf.config.num_hidden_layers == 1
+    assert model(torch.randint(0, 256, (2, 32))).shape == (2, 32, 256)

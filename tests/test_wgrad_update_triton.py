@@ -134,12 +134,19 @@ def _nullcontext():
     return contextlib.nullcontext()
 
 
-def _check_exact(rule, n, k, m, dtype, device):
+def _check_exact(rule, n, k, m, dtype, device, config=None):
     w, dy_t, x, states, hp = _make(rule, n, k, m, dtype, device, seed=1)
     w_e, st_e = _clone(w, states)
     grad = torch.full((n, k), float("nan"), device=device)  # poisoned: every element must be written
-    wgrad_update(w, dy_t, x, states, hp, rule.name, grad_out=grad)
+    if config is None:
+        wgrad_update(w, dy_t, x, states, hp, rule.name, grad_out=grad)
+    else:
+        from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
+
+        launch_wgrad_update(w, dy_t, x, states, hp, rule, grad_out=grad, config=config)
     assert not grad.isnan().any()
+    ref = dy_t.double() @ x.double()
+    assert ((grad.double() - ref).norm() / ref.norm()).item() < 1e-5
     with torch.no_grad(), (_CorrectlyRoundedSqrt() if device == "cpu" else _nullcontext()):
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} of {w.numel()} elements"
@@ -194,6 +201,39 @@ def test_interpreter_exact_vs_eager_on_stored_grad(interpret, rule, shape):
     # The interpreter computes the epilogue in numpy with the same per-op formulas as torch's CPU
     # kernels (FMA where they use fmadd), so this is bitwise.
     _check_exact(rule, *shape, torch.bfloat16, "cpu")
+
+
+def _configs(prefix_interp: bool):
+    from forge_compile.kernels.wgrad_update_triton import CONFIGS
+
+    return [c for c in CONFIGS if c.startswith("interp") == prefix_interp]
+
+
+@pytest.mark.parametrize("config", _configs(True))
+@pytest.mark.parametrize("rule", [ADAMW, SGDM], ids=lambda r: r.name)
+@pytest.mark.parametrize("shape", [(67, 45, 31), (64, 128, 64)], ids=lambda s: "x".join(map(str, s)))
+def test_interpreter_kernel_variants_exact(interpret, rule, config, shape):
+    # every knob of the template (epilogue split, prefetch, TMA descriptors), ragged and even tiles
+    _check_exact(rule, *shape, torch.bfloat16, "cpu", config=config)
+
+
+def test_host_scalars_cached_by_value():
+    from forge_compile.kernels.wgrad_update_triton import host_scalars
+
+    ep = compile_epilogue(ADAMW, "cuda")
+    step = torch.tensor(3.0)
+    hp = [torch.tensor(v, dtype=torch.float64) for v in HP[ADAMW.name]]
+    ks, new = host_scalars(ep, [step], hp)
+    ks_ref, new_ref = ep.run_host([step], hp)
+    assert ks == ks_ref and new == [t.item() for t in new_ref]
+    assert host_scalars(ep, [step], hp) is host_scalars(ep, [step], hp)   # a hit
+    step.fill_(4.0)                                                        # new value: recomputed
+    ks4, new4 = host_scalars(ep, [step], hp)
+    assert ks4 != ks and new4 == [5.0] and ks4 == ep.run_host([step], hp)[0]
+    hp[0] = torch.tensor(-0.0, dtype=torch.float64)                       # -0.0 is not 0.0
+    a = host_scalars(ep, [step], hp)
+    hp[0] = torch.tensor(0.0, dtype=torch.float64)
+    assert host_scalars(ep, [step], hp) is not a
 
 
 def test_interpreter_scalar_state_advances_once(interpret):
@@ -256,3 +296,18 @@ def test_cuda_exact_vs_eager_on_stored_grad(rule, shape):
 @cuda
 def test_cuda_4096_bf16_vs_reference():
     _check_against_reference(ADAMW, 4096, 4096, 2048, torch.bfloat16, "cuda", tol=2e-4)
+
+
+@cuda
+@pytest.mark.parametrize("config", _configs(False))
+@pytest.mark.parametrize("rule", [ADAMW, SGDM], ids=lambda r: r.name)
+@pytest.mark.parametrize("shape", [(1000, 777, 333), (512, 512, 192)], ids=lambda s: "x".join(map(str, s)))
+def test_cuda_every_config_exact(rule, config, shape):
+    # every GPU config, with ragged (masked / TMA-clipped) and even tiles
+    _check_exact(rule, *shape, torch.bfloat16, "cuda", config=config)
+
+
+@cuda
+@pytest.mark.parametrize("config", [None, "t64m128", "t128e4"])
+def test_cuda_fp32_activations_exact(config):
+    _check_exact(ADAMW, 1000, 777, 333, torch.float32, "cuda", config=config)
