@@ -1,115 +1,175 @@
-"""Fused wgrad+AdamW (Triton) vs unfused cuBLAS wgrad + torch._fused_adamw_, on one GPU.
+"""Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--shapes 4096x4096,14336x4096] [--ms 256,1024]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all] [--procs 8]
 
-Baseline: torch.mm(dy_t, x, out_dtype=torch.float32) (cuBLAS, bf16 in, fp32 out; falls back to a bf16 mm
-followed by .float() where mm.dtype is missing, which the output says) + torch._fused_adamw_ on fp32
-W/m/v. Fused: the catalogue's AdamW rule through the generated kernel, each config of CONFIGS, timed as the
-kernel launch alone (host part precomputed) and as the full launch_wgrad_update (host part included).
-Floor = max(bytes / 4.27e12, flops / 686e12), bytes = 24 N K (W, m, v read + write) + 2 M (N + K).
+Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
+SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
+M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
+elsewhere.
+
+Baselines (unfused): torch.mm(dy_t, x, out_dtype=torch.float32) for bf16 (cuBLAS, bf16 in, fp32 out), plain
+fp32 torch.mm for fp32 activations (IEEE: TF32 off, as torch's default), then torch._fused_adamw_ /
+torch._fused_sgd_; Lion has no fused torch kernel: its baseline is mm + the rule's eager ops ("eager"), and
+"mm+ideal" adds to the measured mm the time of one fused optimizer pass at copy bandwidth (20 B/element).
+Fused: "kernel" = the kernel launch alone (host part done once), "launch" = the full launch_wgrad_update with
+the host part memoized (the step is reset to the same value before each call, as for the 2nd..100th linear
+of a model in one step), "miss" = the full launch with the step advancing every call (host graph runs).
+Floor = max(bytes / 4.27e12, 2 N K M / 686e12 (bf16) or / 67e12 (fp32 activations)), bytes = (8 + 8 * tensor states) N K + act_bytes M (N + K).
+Correctness before timing, at every case and config timed: the dW the kernel stores (grad_out) vs fp64
+(rel err), W/states bit-exact vs the eager rule applied to that dW, W vs the unfused baseline relative to the
+update.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import multiprocessing as mp
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from forge_compile.kernels.wgrad_update_triton import CONFIGS, _kernel_for, launch_wgrad_update, pick_config  # noqa: E402
-from forge_compile.optim.rules import adamw_rule  # noqa: E402
+from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
+from forge_compile.optim import rules as R  # noqa: E402
 
 BW, FLOPS = 4.27e12, 686e12
-LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
+FLOPS_FP32 = 67e12   # fp32 FMA (IEEE, no tensor cores): the H200 datasheet figure, not measured here
+HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01)}
+SHAPES3 = [(4096, 4096), (14336, 4096), (4096, 14336)]
+MS = [256, 1024, 2048, 4096, 8192]
+
+
+def rule_of(kind):
+    return {"adamw": R.adamw_rule, "sgdm": lambda: R.sgd_rule(momentum=True), "lion": R.lion_rule}[kind]()
+
+
+def make_inputs(kind, act, n, k, m, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    rule = rule_of(kind)
+    st = []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            st.append(torch.tensor(10.0))
+        elif name == "exp_avg_sq":
+            st.append(torch.rand(n, k, device="cuda", generator=g) * 1e-4)
+        else:
+            st.append(torch.randn(n, k, device="cuda", generator=g) * 1e-3)
+    dy = torch.randn(m, n, device="cuda", generator=g, dtype=act)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=act)
+    hp = [torch.tensor(v, dtype=torch.float64) for v in HP[kind]]
+    return rule, w, dy.t(), x, st, hp
 
 
 def wgrad_mm(dy_t, x):
-    try:
-        return torch.mm(dy_t, x, out_dtype=torch.float32), "mm(out_dtype=fp32)"
-    except (TypeError, RuntimeError):
-        return torch.mm(dy_t, x).float(), "bf16 mm + .float()"
+    if dy_t.dtype == torch.float32:
+        return torch.mm(dy_t, x)
+    return torch.mm(dy_t, x, out_dtype=torch.float32)
 
 
-def probe_eager_semantics(log):
-    """Which formula each eager CUDA element-wise kernel computes (the epilogue codegen copies them)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n = 1 << 20
-    a, b, c = (torch.randn(n, device="cuda", generator=g) for _ in range(3))
-    c = c.abs() + 0.1
-    s = 0.3719
-    sf = torch.tensor(s, dtype=torch.float32).item()
+def make_unfused(kind, rule, w, dy_t, x, st, hp):
+    """(fn, one_step) on private copies of W/states; one_step(w0, st0) runs one step from that state."""
+    wb = w.clone()
+    sb = [s.clone() for s in st]
+    h = [float(v) for v in HP[kind]]
+    if kind == "adamw":
+        stepb = torch.tensor(10.0, device="cuda")
 
-    def fma(x, y, z):
-        return (x.double() * y.double() + z.double()).float()
+        def fn():
+            gr = wgrad_mm(dy_t, x)
+            torch._fused_adamw_([wb], [gr], [sb[1]], [sb[2]], [], [stepb], lr=h[0], beta1=h[1], beta2=h[2],
+                                weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False)
 
-    def cmp(name, t, cands):
-        res = {k: int((t != v).sum()) for k, v in cands.items()}
-        log(f"probe {name}: mismatches {res}")
-        return res
+        def reset(w0, st0):
+            wb.copy_(w0); sb[1].copy_(st0[1]); sb[2].copy_(st0[2]); stepb.fill_(float(st0[0]) + 1)  # noqa: E702
+    elif kind == "sgdm":
+        def fn():
+            gr = wgrad_mm(dy_t, x)
+            torch._fused_sgd_([wb], [gr], [sb[0]], weight_decay=0.0, momentum=h[1], lr=h[0], dampening=h[2],
+                              nesterov=False, maximize=False, is_first_step=False)
 
-    st = torch.tensor(s, dtype=torch.float64)
-    out = {}
-    out["add_alpha"] = cmp("add alpha", torch.add(a, b, alpha=s), {"plain": a + sf * b, "fma": fma(torch.full_like(b, sf), b, a)})
-    out["addcmul"] = cmp("addcmul", torch.addcmul(a, b, c, value=s), {"plain": a + sf * (b * c), "fma(v,b*c,a)": fma(torch.full_like(b, sf), b * c, a), "fma(v*b,c,a)": fma(sf * b, c, a)})
-    out["addcdiv"] = cmp("addcdiv", torch.addcdiv(a, b, c, value=s), {"plain": a + sf * (b / c), "fma(v,b/c,a)": fma(torch.full_like(b, sf), b / c, a), "a+(v*b)/c": a + (sf * b) / c})
-    w = torch.tensor(0.1, dtype=torch.float64)
-    wf = torch.tensor(0.1, dtype=torch.float32).item()
-    out["lerp_small"] = cmp("lerp w=0.1", torch.lerp(a, b, w), {"plain": a + wf * (b - a), "fma": fma(torch.full_like(a, wf), b - a, a)})
-    w9 = torch.tensor(0.9, dtype=torch.float32).item()
-    one_m = torch.tensor(1.0, dtype=torch.float32) - torch.tensor(0.9, dtype=torch.float32)
-    out["lerp_big"] = cmp("lerp w=0.9", torch.lerp(a, b, torch.tensor(0.9, dtype=torch.float64)), {"plain": b - (b - a) * one_m.item(), "fma": fma(-(b - a), torch.full_like(a, one_m.item()), b)})
-    recip = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32)).item()
-    out["div_scalar"] = cmp("tensor / cpu scalar", a / st, {"div": (a.double() / sf).float(), "mul recip": a * recip})
-    out["sqrt"] = cmp("sqrt", c.sqrt(), {"ieee": c.double().sqrt().float()})
-    out["div"] = cmp("tensor / tensor", a / c, {"ieee": (a.double() / c.double()).float()})
-    return out
-
-
-def run_tests_of_kernel(log):
-    """Correctness of every config before timing: dW stored vs torch fp32 mm, W/states vs eager rule."""
-    rule = adamw_rule()
-    ok = True
-    for shape in [(4096, 4096, 1024), (1000, 777, 333)]:
-        n, k, m = shape
-        for name in CONFIGS:
-            if name == "interp":
-                continue
-            w, dy_t, x, st, hp = make_inputs(n, k, m, seed=7)
-            w_e, st_e = w.clone(), [s.clone() for s in st]
-            grad = torch.full((n, k), float("nan"), device="cuda")
-            launch_wgrad_update(w, dy_t, x, st, hp, rule, grad_out=grad, config=name)
-            ref = dy_t.double() @ x.double()
-            rel = ((grad.double() - ref).norm() / ref.norm()).item()
+        def reset(w0, st0):
+            wb.copy_(w0); sb[0].copy_(st0[0])  # noqa: E702
+    else:
+        def fn():
+            gr = wgrad_mm(dy_t, x)
             with torch.no_grad():
-                rule.apply(w_e, grad, st_e, hp)
-            exact = torch.equal(w, w_e) and all(torch.equal(a, b) for a, b in zip(st, st_e))
-            good = rel < 1e-5 and not grad.isnan().any().item() and exact
-            ok &= good
-            log(f"check {n}x{k}x{m} config {name}: dW rel err {rel:.2e}, W/states bit-exact vs eager: {exact} {'OK' if good else 'FAIL'}")
-    return ok
+                rule.apply(wb, gr, sb, hp)
+
+        def reset(w0, st0):
+            wb.copy_(w0)
+            for a, b in zip(sb, st0):
+                a.copy_(b)
+
+    def one_step(w0, st0):
+        reset(w0, st0)
+        fn()
+        return wb
+    return fn, one_step
 
 
-def make_inputs(n, k, m, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, device="cuda", generator=g)
-    st = [torch.tensor(10.0), torch.randn(n, k, device="cuda", generator=g) * 1e-3,
-          torch.rand(n, k, device="cuda", generator=g) * 1e-4]
-    dy = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    hp = [torch.tensor(v, dtype=torch.float64) for v in (LR, B1, B2, EPS, WD)]
-    return w, dy.t(), x, st, hp
+def check_config(rule, w, dy_t, x, st, hp, config):
+    """dW rel err vs fp64, W/states bit-exact vs eager on the stored dW; leaves the inputs untouched."""
+    w1, st1 = w.clone(), [s.clone() for s in st]
+    grad = torch.full_like(w, float("nan"))
+    wt.launch_wgrad_update(w1, dy_t, x, st1, hp, rule, grad_out=grad, config=config)
+    ref = dy_t.double() @ x.double()
+    rel = ((grad.double() - ref).norm() / ref.norm()).item()
+    del ref
+    we, ste = w.clone(), [s.clone() for s in st]
+    with torch.no_grad():
+        rule.apply(we, grad, ste, hp)
+    exact = torch.equal(w1, we) and all(torch.equal(a, b) for a, b in zip(st1, ste))
+    ok = rel < 1e-5 and not grad.isnan().any().item() and exact
+    return ok, rel, exact, w1
+
+
+# ---- parallel precompilation (the Triton disk cache is shared; the timed process then only loads) ----
+
+
+def _precompile(job):
+    kind, act, config, n, k, m = job
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        rule, w, dy_t, x, st, hp = make_inputs(kind, getattr(torch, act), n, k, m)
+        t0 = time.time()
+        for store_grad in (False, True):
+            gout = torch.empty_like(w) if store_grad else None
+            kernel, grid, args, opts, _, _ = wt._prepare(w, dy_t, x, st, hp, rule, gout, config)
+            kernel.warmup(*args, grid=grid, **opts)
+        return f"precompiled {kind} {act} {config} {n}x{k} M={m} in {time.time() - t0:.1f}s"
+    except Exception as e:  # reported, and the timed process will report it again
+        return f"precompile FAILED {kind} {act} {config} {n}x{k} M={m}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _small(n):
+    # same Triton specialization (divisibility by 16, by every tile size) with less memory
+    return n if n <= 1024 else 1024
+
+
+# ---- cases ------------------------------------------------------------------------------------------
+
+
+def final_cases():
+    cases = [("adamw", "bfloat16", n, k, m) for n, k in SHAPES3 for m in MS]
+    cases += [(kind, "bfloat16", 4096, 4096, m) for kind in ("sgdm", "lion") for m in MS]
+    cases += [("adamw", "float32", 4096, 4096, m) for m in MS]
+    cases += [("adamw", "bfloat16", 128256, 4096, m) for m in (256, 1024, 2048, 4096)]
+    return cases
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
-    ap.add_argument("--ms", default="256,1024,2048,4096,8192")
-    ap.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "interp"))
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all"])
+    ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
+    ap.add_argument("--short", default="", help="configs also timed on every final case")
+    ap.add_argument("--procs", type=int, default=8)
+    ap.add_argument("--rep", type=int, default=40)
     args = ap.parse_args()
     import triton
     from triton.testing import do_bench
@@ -122,77 +182,117 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    probe = probe_eager_semantics(log)
-    checks_ok = run_tests_of_kernel(log)
-    rule = adamw_rule()
-    configs = args.configs.split(",")
+    gpu_cfgs = [c for c in wt.CONFIGS if not c.startswith("interp")]
+    sweep_cfgs = args.configs.split(",") if args.configs else gpu_cfgs
+    short = [c for c in args.short.split(",") if c]
+
+    plan = []   # (kind, act, n, k, m, [configs to time besides the default])
+    if args.cases in ("sweep", "all"):
+        plan += [("adamw", "bfloat16", 4096, 4096, m, sweep_cfgs) for m in MS]
+    if args.cases in ("final", "all"):
+        seen = {(p[0], p[1], p[2], p[3], p[4]) for p in plan}
+        plan += [(*c, short) for c in final_cases() if c not in seen]
+
+    # precompile every (case kind, config) in parallel processes
+    jobs = set()
+    for kind, act, n, k, m, cfgs in plan:
+        upcast = act == "float32"
+        for c in set(cfgs) | {wt.pick_config(n, k, m, False, upcast)}:
+            jobs.add((kind, act, c, _small(n), _small(k), m if m % 128 else 256))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(args.procs) as pool:
+        for msg in pool.imap_unordered(_precompile, sorted(jobs)):
+            if "FAILED" in msg:
+                log(msg)
+    log(f"precompiled {len(jobs)} kernels in {time.time() - t0:.0f}s with {args.procs} processes")
+
     rows = []
-    for shape in args.shapes.split(","):
-        n, k = map(int, shape.split("x"))
-        for m in map(int, args.ms.split(",")):
-            w, dy_t, x, st, hp = make_inputs(n, k, m, seed=m)
-            # baseline state (torch format: step on device for _fused_adamw_)
-            wb, mb, vb = w.clone(), st[1].clone(), st[2].clone()
-            stepb = torch.tensor(10.0, device="cuda")
+    checks_ok = True
+    for kind, act, n, k, m, cfgs in plan:
+        rule, w, dy_t, x, st, hp = make_inputs(kind, getattr(torch, act), n, k, m, seed=m)
+        upcast = act == "float32"
+        default = wt.pick_config(n, k, m, False, upcast)
+        timed = [default] + [c for c in cfgs if c != default]
+        unfused, one_step = make_unfused(kind, rule, w, dy_t, x, st, hp)
 
-            def unfused():
-                gr, _ = wgrad_mm(dy_t, x)
-                torch._fused_adamw_([wb], [gr], [mb], [vb], [], [stepb], lr=LR, beta1=B1, beta2=B2,
-                                    weight_decay=WD, eps=EPS, amsgrad=False, maximize=False)
+        res, regs, fns = {}, {}, {}
+        rel_w = None
+        for c in timed:
+            try:
+                ok, rel, exact, w1 = check_config(rule, w, dy_t, x, st, hp, c)
+            except Exception as e:  # out of shared memory / registers for this tile
+                log(f"  config {c} failed at {kind} {act} {n}x{k} M={m}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            if c == default:
+                wb = one_step(w, st)
+                rel_w = ((w1 - wb).norm() / (wb - w).norm()).item()
+            del w1
+            if not ok:
+                checks_ok = False
+                log(f"  CHECK FAILED {kind} {act} {n}x{k} M={m} config {c}: dW rel {rel:.1e} exact {exact}")
+                continue
+            fns[c] = wt.bound_launch(w, dy_t, x, st, hp, rule, config=c)
+            ck = fns[c]()
+            regs[c] = (getattr(ck, "n_regs", None), getattr(ck, "n_spills", None))
+        n_tensor_states = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+        step0 = float(st[0]) if rule.is_scalar_state(0) else None
 
-            _, how = wgrad_mm(dy_t, x)
-            # correctness of the pair before timing: one step each from the same state
-            w1, st1 = w.clone(), [s.clone() for s in st]
-            launch_wgrad_update(w1, dy_t, x, st1, hp, rule)
-            wb.copy_(w); mb.copy_(st[1]); vb.copy_(st[2]); stepb.fill_(11.0)  # torch.optim increments first
-            unfused()
-            rel_w = ((w1 - wb).norm() / (wb - w).norm()).item()  # relative to the size of the update
-            t_unf = do_bench(unfused, warmup=25, rep=100, return_mode="median")
+        def full_hit():
+            if step0 is not None:
+                st[0].fill_(step0)
+            wt.launch_wgrad_update(w, dy_t, x, st, hp, rule)
 
-            ep, kernel = _kernel_for(rule, "cuda")
-            tstates = [st[1], st[2]]
-            scalars, _ = ep.run_host([st[0]], hp)
-            res = {}
-            for name in configs:
-                bn, bk, bm, group, warps, stages = CONFIGS[name]
-                grid = (triton.cdiv(n, bn) * triton.cdiv(k, bk),)
+        def full_miss():
+            wt.launch_wgrad_update(w, dy_t, x, st, hp, rule)
 
-                def fused_kernel(bn=bn, bk=bk, bm=bm, group=group, warps=warps, stages=stages, grid=grid):
-                    kernel[grid](w, dy_t, x, *tstates, w, *scalars, n, k, m,
-                                 dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
-                                 BLOCK_N=bn, BLOCK_K=bk, BLOCK_M=bm, GROUP_N=group, EVEN_M=(m % bm == 0),
-                                 UPCAST=False, STORE_GRAD=False, num_warps=warps, num_stages=stages,
-                                 enable_fp_fusion=False)
-                try:
-                    res[name] = do_bench(fused_kernel, warmup=25, rep=100, return_mode="median")
-                except Exception as e:  # out of shared memory / registers for this tile
-                    log(f"  config {name} failed at {n}x{k} M={m}: {type(e).__name__}: {str(e)[:120]}")
-            default = pick_config(n, k, m, False)
+        def bench(f):
+            return do_bench(f, warmup=10, rep=args.rep, return_mode="median")
 
-            def fused_full():
-                launch_wgrad_update(w, dy_t, x, st, hp, rule)
-
-            t_full = do_bench(fused_full, warmup=25, rep=100, return_mode="median")
-            best = min(res, key=res.get)
-            nbytes = 24 * n * k + 2 * m * (n + k)
-            floor = max(nbytes / BW, 2 * n * k * m / FLOPS) * 1e3
-            row = dict(n=n, k=k, m=m, unfused_ms=t_unf, baseline=how, best_config=best, best_ms=res[best],
-                       default_config=default, default_ms=res.get(default), full_launch_ms=t_full,
-                       floor_ms=floor, rel_w_vs_torch=rel_w, all_configs=res)
-            rows.append(row)
-            log(f"{n}x{k} M={m}: unfused {t_unf:.4f}  best {best} {res[best]:.4f} ({t_unf / res[best]:.2f}x)  "
-                f"default {default} {res.get(default, float('nan')):.4f}  full-launch {t_full:.4f}  floor {floor:.4f}  "
-                f"W vs torch rel {rel_w:.1e}  | " + " ".join(f"{k_}={v:.3f}" for k_, v in res.items()))
+        # unfused / default / launch back to back, unfused again after them: clocks drift over a run (the
+        # same kernel measured 6-10 % slower late in run 4 at large M); the smaller unfused time is kept
+        t_unf1 = bench(unfused)
+        if default in fns:
+            res[default] = bench(fns[default])
+            t_hit = bench(full_hit)
+        else:
+            t_hit = float("nan")
+        t_unf = min(t_unf1, bench(unfused))
+        t_miss = bench(full_miss) if default in fns else float("nan")
+        t_mm = bench(lambda: wgrad_mm(dy_t, x))
+        for c in fns:
+            if c != default:
+                res[c] = bench(fns[c])
+        opt_bytes = (8 + 8 * n_tensor_states + 4) * n * k   # W, states read+write, dW read
+        t_ideal = t_mm + opt_bytes / BW * 1e3
+        act_b = 4 if upcast else 2
+        nbytes = (8 + 8 * n_tensor_states) * n * k + act_b * m * (n + k)
+        floor = max(nbytes / BW, 2 * n * k * m / (FLOPS_FP32 if upcast else FLOPS)) * 1e3
+        best = min(res, key=res.get) if res else None
+        row = dict(kind=kind, act=act, n=n, k=k, m=m, unfused_ms=t_unf, mm_ms=t_mm, mm_ideal_ms=t_ideal,
+                   default_config=default, default_ms=res.get(default, float("nan")), best_config=best,
+                   best_ms=res.get(best, float("nan")), launch_ms=t_hit, launch_miss_ms=t_miss, floor_ms=floor,
+                   rel_w_vs_torch=rel_w, configs=res, regs=regs)
+        rows.append(row)
+        log(f"{kind} {act} {n}x{k} M={m}: unfused {t_unf:.4f} (mm {t_mm:.4f})  default {default} "
+            f"{row['default_ms']:.4f} ({t_unf / row['default_ms']:.2f}x)  best {best} {row['best_ms']:.4f}  "
+            f"launch {t_hit:.4f} miss {t_miss:.4f}  floor {floor:.4f}  mm+ideal {t_ideal:.4f}  W vs torch {rel_w}")
+        if len(res) > 1:
+            log("   " + "  ".join(f"{c}={v:.4f}(r{regs[c][0]},s{regs[c][1]})" for c, v in sorted(res.items(), key=lambda t: t[1])))
+        del w, dy_t, x, st, unfused, one_step
+        torch.cuda.empty_cache()
 
     log("")
-    log(f"{'shape':>12} {'M':>5} {'unfused':>8} {'fused':>8} {'cfg':>9} {'ratio':>6} {'launch':>8} {'floor':>7} {'fl/fused':>8}")
+    log(f"{'rule':>5} {'act':>4} {'shape':>12} {'M':>5} {'unfused':>8} {'fused':>8} {'cfg':>10} {'ratio':>6} "
+        f"{'best':>8} {'bestcfg':>12} {'launch':>8} {'ratio_l':>7} {'miss':>8} {'floor':>7}")
     for r in rows:
-        log(f"{r['n']}x{r['k']:>6} {r['m']:>5} {r['unfused_ms']:8.4f} {r['best_ms']:8.4f} {r['best_config']:>9} "
-            f"{r['unfused_ms'] / r['best_ms']:6.2f} {r['full_launch_ms']:8.4f} {r['floor_ms']:7.4f} {r['floor_ms'] / r['best_ms']:8.2f}")
+        log(f"{r['kind']:>5} {r['act'][:4]:>4} {str(r['n']) + 'x' + str(r['k']):>12} {r['m']:>5} {r['unfused_ms']:8.4f} "
+            f"{r['default_ms']:8.4f} {r['default_config']:>10} {r['unfused_ms'] / r['default_ms']:6.2f} "
+            f"{r['best_ms']:8.4f} {str(r['best_config']):>12} {r['launch_ms']:8.4f} {r['unfused_ms'] / r['launch_ms']:7.2f} "
+            f"{r['launch_miss_ms']:8.4f} {r['floor_ms']:7.4f}")
     log(f"checks {'OK' if checks_ok else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(dict(rows=rows, probe=probe, checks_ok=checks_ok), f, indent=1)
+        json.dump(dict(rows=rows, checks_ok=checks_ok), f, indent=1)
     with open(os.path.join(args.out, "bench.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -6,6 +6,8 @@
     python examples/train_lm.py --compare            # forge vs baseline, same seed, loss curves -> PNG
     python examples/train_lm.py --steps 200 --stop-after 100 --save ck.pt   # then: --steps 200 --resume ck.pt
     python examples/train_lm.py --size 1b --device cuda                     # bf16 autocast on CUDA
+    python examples/train_lm.py --size 1b --steps 30 --eval-every 0 --results-json r.json   # a timed GPU run
+    python examples/train_lm.py --hf                 # transformers.LlamaForCausalLM (--hf qwen2: Qwen2, tied)
 
 Routes (``--route``):
   step     ``forge.compile_train_step``: forward, ``loss.backward()``, ``opt.step()`` and ``opt.zero_grad()``
@@ -17,6 +19,10 @@ The data is byte-level (vocab 256): by default the Python standard library's own
 directory of the ``os`` module, sorted, capped at a few MB), or ``--data FILE``. The last 5% is held out
 for the validation loss. Batches come from a seeded ``torch.Generator`` whose state is checkpointed, so
 ``--save``/``--resume`` continues exactly where the run stopped (bit-identical losses on CPU fp32).
+
+Timing: tokens/s leave out the first ``--untimed-steps`` steps (compilation, autotuning, allocator warm-up);
+peak memory is torch.cuda.max_memory_allocated over the training steps on CUDA, the process's max RSS on
+CPU. ``--results-json PATH`` writes every number of the summary (and the per-step losses and times).
 """
 from __future__ import annotations
 
@@ -98,6 +104,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)     # bf16 under autocast (fp32 tables would upcast q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
@@ -153,30 +160,45 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-class HFCausalLM(nn.Module):
-    """transformers.LlamaForCausalLM (random init from a LlamaConfig) behind the same idx -> logits call."""
+# --hf FAMILY: (config class, model class, tied embeddings). Qwen2 is built tied, as its small checkpoints
+# are: the shared embedding/lm_head matrix gets two gradient contributions and is left unfused (the report
+# says so) while every projection is fused. tests/test_hf_models.py checks both against eager torch.optim.
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", False),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True),
+}
 
-    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB):
+
+class HFCausalLM(nn.Module):
+    """A transformers decoder (random init from its config, nothing downloaded) behind the idx -> logits call."""
+
+    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB, family="llama"):
         super().__init__()
         try:
-            from transformers import LlamaConfig, LlamaForCausalLM
+            import transformers
         except ImportError:
             raise SystemExit("--hf needs the transformers package: pip install -e '.[hf]' "
                              "(or pip install 'transformers>=4.45'); nothing is downloaded, the model is "
-                             "built from a LlamaConfig with random weights") from None
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=d_ff,
-                          num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
-                          max_position_embeddings=max_seq_len, tie_word_embeddings=False,
-                          attention_bias=False, mlp_bias=False, use_cache=False, attn_implementation="sdpa")
-        self.model = LlamaForCausalLM(cfg)
+                             "built from a config with random weights") from None
+        cfg_name, model_name, tied = HF_FAMILIES[family]
+        cfg = getattr(transformers, cfg_name)(
+            vocab_size=vocab, hidden_size=d_model, intermediate_size=d_ff, num_hidden_layers=n_layers,
+            num_attention_heads=n_heads, num_key_value_heads=n_heads, max_position_embeddings=max_seq_len,
+            tie_word_embeddings=tied, use_cache=False, attn_implementation="sdpa")
+        self.model = getattr(transformers, model_name)(cfg)
 
     def forward(self, idx):
         return self.model(input_ids=idx, use_cache=False).logits
 
 
 def build_model(args):
-    cls = HFCausalLM if args.hf else Llama
-    return cls(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
+    if args.hf:
+        return HFCausalLM(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len, family=args.hf)
+    return Llama(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
+
+
+def model_name(args):
+    return HF_FAMILIES[args.hf][1] if args.hf else "Llama"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,8 +263,10 @@ def unigram_entropy(data):
 def make_optimizer(model, args):
     decay = [p for p in model.parameters() if p.dim() >= 2]       # matrices and the embedding
     no_decay = [p for p in model.parameters() if p.dim() < 2]     # RMSNorm gains
+    # fused=True on CUDA (--fused-adamw): torch's fastest AdamW, so route off is the strongest baseline; forge
+    # accepts it too and runs it for whatever it leaves unfused. Every route gets the same optimizer.
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if args.fused_adamw else {}))
 
 
 def make_scheduler(opt, args):
@@ -352,6 +376,20 @@ class Progress:
             self.bar.close()
 
 
+def fusion_report(route, train_step, x, y):
+    """The forge fusion report of the step just run (route step: the compiled step's own report, the same
+    one forge.explain(train_step, x, y) returns, without tracing the step again; route backend: the last
+    backward graph's)."""
+    if route == "step":
+        rep = train_step.last_report
+        return str(rep if rep is not None else forge.explain(train_step, x, y))
+    if route == "backend":
+        import forge_compile.backend as fb
+        reps = fb.last_reports()
+        return "\n\n".join(str(r) for r in reps) if reps else None
+    return None
+
+
 def train(args):
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -385,15 +423,18 @@ def train(args):
     tokens_per_step = args.batch_size * args.seq_len
     log.info("data: %s (%.2f MB train, %.2f MB val)", desc, len(train_data) / 1e6, len(val_data) / 1e6)
     log.info("model: %s %s, %.2fM parameters; route %s on %s, %s; %d steps x %d tokens",
-             "LlamaForCausalLM" if args.hf else "Llama", args.size, n_params / 1e6, args.route, device,
+             model_name(args), args.size, n_params / 1e6, args.route, device,
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
     train_step = make_train_step(args.route, model, opt, autocast)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
+    # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
+    untimed = min(args.untimed_steps, max(0, stop - start - 1))
     progress = Progress(start, stop, enabled=not args.quiet)
     if args.route != "off":     # forge runs opt.step() inside the compiled step, which torch's check can't see
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-    timed_tokens, timed_s, first_step_s = 0, 0.0, None
+    timed_tokens, timed_s, untimed_s, step_times = 0, 0.0, 0.0, []
+    t_start = time.perf_counter()
     x = y = None
     for step in range(start, stop):
         x, y = get_batch(train_data, args.batch_size, args.seq_len, gen, device)
@@ -402,8 +443,9 @@ def train(args):
         dt = time.perf_counter() - t0
         sched.step()
         losses.append(loss)
-        if first_step_s is None:
-            first_step_s = dt                   # includes compilation; left out of tokens/s
+        step_times.append(dt)
+        if step - start < untimed:
+            untimed_s += dt
         else:
             timed_tokens += tokens_per_step
             timed_s += dt
@@ -416,6 +458,8 @@ def train(args):
             val_history.append((step + 1, v))
             progress.write(f"step {step + 1}: val loss {v:.4f}")
     progress.close()
+    wall_s = time.perf_counter() - t_start
+    train_peak = peak_memory(device)            # before the final evaluation
 
     val_loss = evaluate(model, val_data, args, autocast, device)
     val_history.append((stop, val_loss))
@@ -426,27 +470,38 @@ def train(args):
                     "val_history": val_history, "size": args.size, "hf": args.hf}, args.save)
         log.info("saved step %d to %s", stop, args.save)
 
-    report = None
-    if args.route == "step" and x is not None:
-        report = str(forge.explain(train_step, x, y))
-
+    report = fusion_report(args.route, train_step, x, y) if x is not None else None
+    n_timed = len(step_times) - untimed
     return {
-        "route": args.route, "device": str(device), "size": args.size, "n_params": n_params,
-        "losses": losses, "final_train_loss": losses[-1] if losses else float("nan"),
+        "route": args.route, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__, "model": model_name(args), "size": args.size, "n_params": n_params,
+        "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len",
+                                                 "batch_size", "lr", "steps", "fused_adamw", "seed")},
+        "dtype": "bf16 autocast" if use_bf16 else "fp32",
+        "losses": losses, "step_times_s": step_times,
+        "final_train_loss": losses[-1] if losses else float("nan"),
         "val_loss": val_loss, "val_history": val_history, "unigram_entropy": unigram_entropy(train_data),
+        "tokens_per_step": tokens_per_step, "untimed_steps": untimed, "timed_steps": n_timed,
         "tokens_per_s": timed_tokens / timed_s if timed_s else float("nan"),
-        "first_step_s": first_step_s, "train_s": (first_step_s or 0.0) + timed_s,
-        "peak_memory_bytes": peak_memory(device), "fusion_report": report,
+        "step_ms": 1e3 * timed_s / n_timed if n_timed else float("nan"),
+        "first_step_s": step_times[0] if step_times else None, "untimed_s": untimed_s,
+        "train_s": untimed_s + timed_s, "wall_s": wall_s,
+        "peak_memory_bytes": train_peak, "fusion_report": report,
     }
 
 
 def print_summary(r):
-    print(f"\n== {r['route']} | {r['size']} ({r['n_params'] / 1e6:.2f}M params) on {r['device']} ==")
+    print(f"\n== {r['model']} {r['size']} ({r['n_params'] / 1e6:.2f}M params) | route {r['route']} | "
+          f"{r['device_name'] or r['device']}, {r['dtype']} ==")
     print(f"final train loss   {r['final_train_loss']:.4f} nats")
     print(f"validation loss    {r['val_loss']:.4f} nats")
-    print(f"unigram baseline   {r['unigram_entropy']:.4f} nats (byte entropy of the training text)")
-    print(f"throughput         {r['tokens_per_s']:,.0f} tokens/s (first step, with compilation: "
-          f"{r['first_step_s'] or 0:.1f} s)")
+    gap = r["unigram_entropy"] - r["val_loss"]
+    print(f"unigram baseline   {r['unigram_entropy']:.4f} nats (byte entropy of the training text; "
+          f"the validation loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it)")
+    print(f"throughput         {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step over "
+          f"{r['timed_steps']} steps (left out: {r['untimed_steps']} warm-up steps, {r['untimed_s']:.1f} s; "
+          f"the first, with compilation, {r['first_step_s'] or 0:.1f} s)")
     print(f"peak memory        {fmt_bytes(r['peak_memory_bytes'])} "
           f"({'max allocated' if r['device'].startswith('cuda') else 'max RSS of the process'})")
     if r.get("fusion_report"):
@@ -502,7 +557,7 @@ def compare(args, argv):
     ax.axhline(results["off"]["unigram_entropy"], color="gray", ls="--", lw=0.8, label="unigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/byte)")
-    ax.set_title(f"byte-level Llama {args.size} on {results['off']['device']}: |loss diff| {early_abs:.1e} "
+    ax.set_title(f"byte-level {results['off']['model']} {args.size} on {results['off']['device']}: |loss diff| {early_abs:.1e} "
                  f"over the first {n_exact} steps, {tail_rel:.1e} rel. over the last {tail}", fontsize=10)
     ax.legend()
     fig.tight_layout()
@@ -546,7 +601,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=SIZES, default="tiny",
                    help="tiny: 0.9M params, 1200 steps (CPU minutes); small: 26M; 1b: 1.07B (GPU)")
-    p.add_argument("--hf", action="store_true", help="use transformers.LlamaForCausalLM (random init from a LlamaConfig)")
+    p.add_argument("--hf", nargs="?", const="llama", choices=HF_FAMILIES, metavar="FAMILY",
+                   help="a transformers model built from its config, random init, nothing downloaded: "
+                        "llama (the default: LlamaForCausalLM) or qwen2 (Qwen2ForCausalLM, tied embeddings)")
     p.add_argument("--route", choices=("step", "backend", "off"), default="step")
     p.add_argument("--data", help="a text file to train on (default: the Python standard library's source)")
     p.add_argument("--max-data-mb", type=float, default=4.0, help="cap on the default stdlib corpus")
@@ -562,13 +619,18 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.optim.AdamW(fused=True) (default: on CUDA only)")
+    p.add_argument("--untimed-steps", type=int, default=3,
+                   help="first steps left out of tokens/s (compilation, autotuning, allocator warm-up)")
     p.add_argument("--save", metavar="PATH", help="checkpoint at the end (model, optimizer, scheduler, step, data RNG)")
     p.add_argument("--resume", metavar="PATH")
     p.add_argument("--compare", action="store_true", help="run route step and route off, plot both loss curves")
     p.add_argument("--compare-rtol", type=float, default=1e-2,
                    help="--compare: relative tolerance on the mean loss of the last 10%% of steps (fp32)")
     p.add_argument("--plot", default="train_lm_compare.png", help="where --compare writes its PNG")
-    p.add_argument("--results-json", help=argparse.SUPPRESS)
+    p.add_argument("--results-json", metavar="PATH",
+                   help="write the results (losses, step times, tokens/s, peak memory, report) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     for k in ("d_model", "n_layers", "n_heads", "d_ff"):
         p.add_argument("--" + k.replace("_", "-"), type=int, help="override the --size preset")
@@ -576,6 +638,8 @@ def parse_args(argv):
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.fused_adamw is None:
+        args.fused_adamw = torch.device(args.device).type == "cuda"
     return args
 
 
@@ -587,8 +651,8 @@ def main(argv=None):
     results = train(args)
     if args.results_json:
         with open(args.results_json, "w") as f:
-            json.dump(results, f)
-    else:
+            json.dump(results, f, indent=1)
+    if not (args.results_json and args.quiet):      # --compare's subprocesses: it prints both at the end
         print_summary(results)
     return results
 
