@@ -243,8 +243,21 @@ def _raw(f):
     return inspect.unwrap(getattr(f, "__func__", f))
 
 
+# The adapter depends only on the class's step/_init_group and a step() set on the instance (e.g. an
+# LR scheduler's wrapper): cached on those, as it is asked for every parameter at every step.
+_ADAPTER_CACHE: dict = {}
+
+
 def _adapter(opt) -> _Adapter:
     cls = type(opt)
+    key = (cls, getattr(cls, "step", None), getattr(cls, "_init_group", None), vars(opt).get("step"))
+    hit = _ADAPTER_CACHE.get(key)
+    if hit is None:
+        hit = _ADAPTER_CACHE[key] = _find_adapter(opt, cls)
+    return hit
+
+
+def _find_adapter(opt, cls) -> _Adapter:
     for a in _ADAPTERS:
         if isinstance(opt, a.base):
             # A subclass may add anything; forge reproduces only the base's update, so the update
