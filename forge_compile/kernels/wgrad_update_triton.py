@@ -77,19 +77,14 @@ def _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask,
 @triton.jit
 def _chunk(g, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0,
            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STORE_GRAD: tl.constexpr):
-    # W and the tensor states of one [BN, BK] chunk: read only now (register pressure), int64 base of the
-    # chunk (N*K may exceed 2**31 for embedding-sized weights), int32 offsets inside it.
-    rn = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    off = row0.to(tl.int64) * K + col0 + (rn[:, None] * K + rk[None, :])
-    mask = ((row0 + rn) < N)[:, None] & ((col0 + rk) < K)[None, :]
-    p = _ld(W + off, mask, EVEN)
-{state_loads}
+    # W and the tensor states of one [BN, BK] chunk are read only now (register pressure).
+    p, {state_vars}off, mask = _load_chunk(W, {state_ptrs}N, K, row0, col0, BN, BK, EVEN)
     _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask, BN, BK, EVEN, STORE_GRAD)
 
 
 @triton.jit
 def _load_chunk(W, {state_ptrs}N, K, row0, col0, BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    # int64 base of the chunk (N*K may exceed 2**31 for embedding-sized weights), int32 offsets inside it.
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
     off = row0.to(tl.int64) * K + col0 + (rn[:, None] * K + rk[None, :])
