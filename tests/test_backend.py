@@ -475,7 +475,10 @@ def test_user_visible_outputs_skip_none_gradients(monkeypatch):
         return orig(g, user_visible)
 
     monkeypatch.setattr(inductor_graph, "mark_nodes_dislike_padding", walk_always)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)   # a cache hit skips the walk
-    opt, ref, ref_opt, cm = _train_both(TinyLM(), OPTIMIZERS["adamw"], _lm_batches(3), _lm_loss,
-                                        fused_names=LM_WEIGHTS)
+    from torch._inductor import config as inductor_config
+
+    # a cache hit skips the walk; config.patch, not monkeypatch (whose undo breaks Inductor's config module)
+    with inductor_config.patch(fx_graph_cache=False):
+        opt, ref, ref_opt, cm = _train_both(TinyLM(), OPTIMIZERS["adamw"], _lm_batches(3), _lm_loss,
+                                            fused_names=LM_WEIGHTS)
     assert {r.name for r in fb.last_report().fused} == LM_WEIGHTS
