@@ -54,7 +54,7 @@ from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .kernels import wgrad_update as _register_fused_op  # noqa: F401  (registers forge::wgrad_update_)
-from .optim.translate import hparam_values, plan_optimizer, prepare_states
+from .optim.translate import HparamTensors, hparam_values, plan_optimizer, prepare_states
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -249,15 +249,14 @@ def _group_snapshot(group):
 
 
 class _Entry:
-    __slots__ = ("plan", "with_states", "param", "state", "states", "hp_tensors", "hp_values", "reads")
+    __slots__ = ("plan", "with_states", "param", "state", "states", "hparams", "reads")
 
     def __init__(self, plan, with_states):
         self.plan, self.with_states = plan, with_states
         self.param = plan.param.detach()      # shares storage and version counter with the parameter
         self.state = None                     # the opt.state[p] dict the cached states came from
         self.states = []
-        self.hp_tensors = []
-        self.hp_values = None
+        self.hparams = HparamTensors()
         self.reads = 0                        # slow-path reads so far (see _Extras.tensors)
 
 
@@ -309,28 +308,17 @@ class _Extras:
                 values = shared.get(key)
                 if values is None:
                     values = shared[key] = [float(v) for v in hparam_values(opt, pl)]
-                self._set_hparams(e, values)
+                e.hparams.update(values)
             out.extend(e.states)
-            out.extend(e.hp_tensors)
+            out.extend(e.hparams.tensors)
         return out
 
     def _slow_read(self, e):
         opt, pl = self.opt, e.plan
         e.states = list(prepare_states(opt, pl))
         e.state = opt.state.get(pl.param)
-        self._set_hparams(e, [float(v) for v in hparam_values(opt, pl)])
+        e.hparams.update(hparam_values(opt, pl))
         e.reads += 1
-
-    @staticmethod
-    def _set_hparams(e, values):
-        if len(e.hp_tensors) != len(values):
-            e.hp_tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
-        elif values != e.hp_values:
-            # the previous backward is done with them: the fused op reads them on the host at launch
-            for t, old, new in zip(e.hp_tensors, e.hp_values, values):
-                if old != new:
-                    t.fill_(new)
-        e.hp_values = values
 
 
 def _peek_states(opt, pl):
@@ -465,8 +453,6 @@ class _Compilation:
             if pl is not None and isinstance(g, fx.Node):
                 cands.append((i, pl))
 
-        replaced = _upcasts_as_to_copy(graph, [outs[i] for i, _ in cands])
-        outs = [replaced.get(o, o) if isinstance(o, fx.Node) else o for o in outs]
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         last_ph = placeholders[-1]
 
@@ -515,7 +501,6 @@ class _Compilation:
         graph.lint()
 
         decisions = rewrite_wgrad_updates(gm, names, fuse=True)
-        _to_copies_as_upcasts(graph, set(replaced.values()))
 
         # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
         # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
@@ -586,42 +571,6 @@ class _Compilation:
         extras, fused_names, unfused_variant = runtime
         return _wrap_backward(compiled, extras, fused_names, unfused_variant, self,
                               _grad_ids(gm, self), _grad_ids(unfused_variant.gm, self))
-
-
-def _upcasts_as_to_copy(graph, grads) -> dict:
-    """AOT's backward writes autocast's dW upcast as ``prims.convert_element_type`` where make_fx
-    writes ``aten._to_copy``; the FORGE pass walks through the latter. Rewrite the upcasts on the
-    candidates' gradient paths (same value, same strides)."""
-    convert = torch.ops.prims.convert_element_type.default
-    walk = _VIEW_OPS | {aten.clone.default, aten.reshape.default}
-    replaced = {}
-    for g in grads:
-        cur = g
-        while isinstance(cur, fx.Node) and cur.op == "call_function":
-            if cur.target is convert and cur.args[1] == torch.float32:
-                with graph.inserting_before(cur):
-                    new = graph.call_function(aten._to_copy.default, (cur.args[0],), {"dtype": torch.float32})
-                new.meta.update(cur.meta)
-                cur.replace_all_uses_with(new)
-                graph.erase_node(cur)
-                replaced[cur] = new
-                break
-            if cur.target not in walk or not cur.args or not isinstance(cur.args[0], fx.Node):
-                break
-            cur = cur.args[0]
-    return replaced
-
-
-def _to_copies_as_upcasts(graph, created) -> None:
-    """Undo ``_upcasts_as_to_copy`` where the pass left the gradient unfused: Inductor lowers
-    ``convert_element_type`` in a post-grad graph, not ``_to_copy``."""
-    convert = torch.ops.prims.convert_element_type.default
-    for n in [n for n in graph.nodes if n in created]:
-        with graph.inserting_before(n):
-            new = graph.call_function(convert, (n.args[0], torch.float32))
-        new.meta.update(n.meta)
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
 
 
 def _first_user(graph, node):

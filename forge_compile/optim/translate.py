@@ -21,7 +21,7 @@ from .rule import Rule
 from .rules import adagrad_rule, adam_rule, rmsprop_rule, sgd_rule
 
 __all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states", "flush_step_mirrors",
-           "discard_step_mirrors",
+           "discard_step_mirrors", "HparamTensors",
            "hparam_values", "structure_key"]
 
 log = logging.getLogger(__name__)
@@ -344,6 +344,30 @@ def hparam_values(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[flo
     a = _adapter_or_fail(optimizer)
     group = optimizer.param_groups[plan.group_index]
     return a.hparams(optimizer, group, plan.param, plan.rule)
+
+
+class HparamTensors:
+    """A parameter's hyper-parameters as 0-dim float64 tensors (graph inputs), reused from step to step
+    and refilled only where a value changed (a scheduler): creating them anew cost ~1 ms per step for a
+    few dozen parameters. Refilling is safe: every consumer reads them on the host when its step is
+    launched, and that launch is over before the next step asks for them."""
+
+    __slots__ = ("values", "tensors")
+
+    def __init__(self):
+        self.values = None
+        self.tensors: list = []
+
+    def update(self, values) -> list:
+        values = [float(v) for v in values]
+        if len(self.tensors) != len(values):
+            self.tensors = [torch.tensor(v, dtype=torch.float64) for v in values]
+        elif values != self.values:
+            for t, old, new in zip(self.tensors, self.values, values):
+                if old != new:
+                    t.fill_(new)
+        self.values = values
+        return self.tensors
 
 
 def structure_key(optimizer: torch.optim.Optimizer) -> tuple:

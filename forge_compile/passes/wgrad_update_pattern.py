@@ -30,7 +30,8 @@ _APPLY = torch.ops.forge.apply_rule_.default
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 _IDENTITIES = {aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
                aten.reshape.default, aten.clone.default}
-_UPCAST = aten._to_copy.default
+# make_fx writes autocast's dW upcast as _to_copy, AOTAutograd's backward as prims.convert_element_type
+_UPCASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 # Ops through which W is viewed (not read) in the forward/backward.
 _VIEW_OPS = _TRANSPOSES | {aten.detach.default, aten.alias.default, aten.view.default,
                            aten._unsafe_view.default, aten.expand.default, aten.slice.Tensor,
@@ -91,7 +92,7 @@ def match_wgrad_update(apply: fx.Node) -> tuple[Optional[_Match], str]:
                           "(e.g. clip_grad_norm_ or a logged gradient norm)")
         if cur.target is aten.mm.default:
             return _Match(apply, cur, chain, transposed), ""
-        if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target is not _UPCAST:
+        if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
             return None, f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
@@ -99,7 +100,7 @@ def match_wgrad_update(apply: fx.Node) -> tuple[Optional[_Match], str]:
             src, dst = _meta(cur.args[0]), _meta(cur)
             if src is None or dst is None or tuple(src.shape) != tuple(dst.shape):
                 return None, f"gradient is reshaped by {cur.target} on its way from the matmul"
-        elif cur.target is _UPCAST:
+        elif cur.target in _UPCASTS:
             src, dst = _meta(cur.args[0]), _meta(cur)
             if src is None or dst is None or src.device != dst.device or dst.dtype != torch.float32:
                 return None, f"gradient passes through an unsupported conversion {cur.target}"
