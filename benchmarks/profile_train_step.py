@@ -1,0 +1,90 @@
+"""Where a train step's time goes (issue 5: is the small-batch forge step host-bound?).
+
+  python benchmarks/profile_train_step.py --out DIR [--routes baseline,step,backend] [--mb 2] [--layers 2]
+
+Builds the model and routes of bench_train_step.py (same code), runs warm-up steps, then profiles N steps with
+torch.profiler. Per route it writes DIR/profile_<route>.txt: wall ms per step (perf_counter around N steps,
+synchronized), GPU busy ms per step (sum of device kernel time; kernels overlap little in one stream), the
+host time per step spent outside the compiled graphs, and the top operators by self CPU time and by device
+time. Host-bound: wall >> GPU busy.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train_step as B  # noqa: E402
+
+
+def profile_route(route, args, out):
+    device = torch.device(args.device)
+    Llama = B.load_llama()
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = Llama(args.d_model, args.layers, args.heads, args.d_ff, args.seq_len, args.vocab)
+    wl = B.WithLoss(model, args.vocab)
+    opt, fused, note = B.build_optimizer(model, route, 1e-3)
+    bf16 = device.type == "cuda"
+    autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
+                else contextlib.nullcontext)
+    step, _ = B.make_step(route, wl, opt, autocast)
+    batches = [B.random_batch(args.mb, args.seq_len, args.vocab, device) for _ in range(args.steps)]
+    for x, y in batches[:3]:
+        step(x, y)
+    B.sync(device)
+    t0 = time.perf_counter()
+    for x, y in batches:
+        step(x, y)
+    B.sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / len(batches)
+    # Host time of one step when the device is never waited on: enqueue only (no sync inside the step).
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if bf16 else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for x, y in batches:
+            step(x, y)
+        B.sync(device)
+    ka = prof.key_averages()
+    dev_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka)
+    lines = [f"route {route} mb {args.mb} seq {args.seq_len} d_model {args.d_model} layers {args.layers} "
+             f"adamw_fused {fused} {note}",
+             f"wall ms/step (no profiler): {wall_ms:.3f}",
+             f"device busy ms/step (profiler, sum of self device time): {dev_us / 1e3 / len(batches):.3f}",
+             "", "== top by self CPU time ==",
+             ka.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70)]
+    if bf16:
+        lines += ["", "== top by device time ==",
+                  ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
+    text = "\n".join(lines)
+    with open(os.path.join(out, f"profile_{route}.txt"), "w") as f:
+        f.write(text)
+    print("\n".join(lines[:3]), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--routes", default="baseline,step,backend")
+    p.add_argument("--mb", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    for k, v in B.PRESETS["quick"].items():
+        if k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len"):
+            p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for route in args.routes.split(","):
+        try:
+            profile_route(route, args, args.out)
+        except Exception as e:  # noqa: BLE001  one route failing must not hide the others
+            print(f"{route}: {type(e).__name__}: {e}", flush=True)
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
