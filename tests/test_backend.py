@@ -270,9 +270,12 @@ def test_reads_of_w_for_dx_see_the_old_weight():
         ref.load_state_dict(w_before)
         ref.zero_grad(set_to_none=True)
         F.mse_loss(ref(x), y).backward()
+        # rtol 1e-3, not RTOL: after lr=100 steps the weights are O(100) and Inductor's vs eager's fp32
+        # summation order differ by ~3e-5 relative on some CPUs (the H200 host's); a dX read from the
+        # updated weight moves these gradients by O(1) relative, so the test still fails on the hazard
         for n in ("fc1.bias", "fc2.bias", "fc3.bias"):
             torch.testing.assert_close(model.get_parameter(n).grad, ref.get_parameter(n).grad,
-                                       rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}.grad: {m}")
+                                       rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}.grad: {m}")
         opt.step()
         opt.zero_grad(set_to_none=True)
     roles = fb.last_graphs()[-1].roles.splitlines()
