@@ -103,18 +103,28 @@ def _check(weight, dy_t, x, states, rule_name):
         raise ValueError(f"wgrad_update: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
 
 
-@torch.library.custom_op("forge::wgrad_update_", mutates_args=("weight", "states"))
-def wgrad_update_(
-    weight: torch.Tensor,
-    dy_t: torch.Tensor,
-    x: torch.Tensor,
-    states: list[torch.Tensor],
-    hparams: list[torch.Tensor],
-    rule: str,
-) -> None:
+# Registered with torch.library.Library, not torch.library.custom_op: custom_op's Python autograd and
+# ADInplaceOrView layers (schema default filling, two redispatches) cost ~80 us of host time per call
+# (measured on CPU with the launch stubbed: 117 us through the op vs 38 us calling wgrad_update), and a
+# backward launches one op per linear layer, so the forge routes were host-bound at fine-tuning batch
+# sizes (benchmarks/RESULTS.md). Here the impl runs straight under the backend key; autograd falls
+# through (the op returns nothing and runs only inside backward), and the impl bumps the version
+# counters of what it mutates, as ADInplaceOrView would, so saved-tensor checks still see the update.
+_LIB = torch.library.Library("forge", "FRAGMENT")
+_LIB.define(
+    "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
+    "str rule) -> ()"
+)
+
+
+def wgrad_update_(weight, dy_t, x, states, hparams, rule):
     wgrad_update(weight, dy_t, x, states, hparams, rule)
+    torch.autograd.graph.increment_version([weight, *states])
 
 
-@wgrad_update_.register_fake
+_LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
 def _(weight, dy_t, x, states, hparams, rule):
     return None

@@ -1,0 +1,97 @@
+"""Host time of one fused launch, layer by layer, on one GPU (issue 5: the forge routes were host-bound).
+
+  python benchmarks/bench_launch_overhead.py [--out DIR] [--calls 3000]
+
+A tiny shape (256x256 AdamW, 64 bf16 tokens) keeps the kernel itself at a few microseconds, so the time of
+a call with no synchronization inside the loop is the host's: the CPU enqueues faster than the GPU drains
+only while the host part is the slower one. Rows, each adding one layer above the previous:
+  kernel  - the Triton launch alone (``bound_launch``: host part done once)
+  launch  - ``launch_wgrad_update``: checks, memoized host scalars, config, launch, scalar-state update
+  op      - ``torch.ops.forge.wgrad_update_`` (what Inductor's compiled backward calls): dispatcher + impl
+and, for scale, ``unfused`` = ``torch.mm(out_dtype=fp32)`` + ``torch._fused_adamw_`` (2 launches).
+Results: stdout and DIR/launch_overhead.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
+from forge_compile.kernels import wgrad_update as wu  # noqa: E402
+from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
+from forge_compile.optim.rule import get_rule  # noqa: E402
+
+
+def per_call_us(fn, calls, reset):
+    for _ in range(50):
+        fn(); reset()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn(); reset()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--calls", type=int, default=3000)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return
+    n = k = 256
+    m = 64
+    dev = "cuda"
+    w = torch.randn(n, k, device=dev)
+    dy_t = torch.randn(m, n, device=dev, dtype=torch.bfloat16).t()
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    rule_name = "adamw[amsgrad=False,maximize=False,weight_decay=True]"
+    rule = get_rule(rule_name)
+    step = torch.tensor(10.0)
+    states = [step, torch.zeros(n, k, device=dev), torch.zeros(n, k, device=dev)]
+    hp = [torch.tensor(v, dtype=torch.float64) for v in (1e-4, 0.9, 0.999, 1e-8, 0.01)]
+    assert len(hp) == len(rule.hparams), rule.hparams
+
+    def reset():
+        step.fill_(10.0)   # same host-scalar values every call: the memoized path, as for most linears
+
+    kern = wt.bound_launch(w, dy_t, x, states, hp, rule)
+    op = torch.ops.forge.wgrad_update_.default
+    rows = {
+        "kernel": per_call_us(kern, a.calls, lambda: None),
+        "launch": per_call_us(lambda: wt.launch_wgrad_update(w, dy_t, x, states, hp, rule), a.calls, reset),
+        "wgrad_update": per_call_us(lambda: wu.wgrad_update(w, dy_t, x, states, hp, rule_name), a.calls, reset),
+        "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule_name), a.calls, reset),
+    }
+    st = torch.tensor([10.0], device=dev)
+
+    def unfused():
+        grad = torch.mm(dy_t, x, out_dtype=torch.float32)
+        torch._fused_adamw_([w], [grad], [states[1]], [states[2]], [], [st], lr=1e-4, beta1=0.9,
+                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    rows["unfused"] = per_call_us(unfused, a.calls, lambda: None)
+    import triton
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "shape": f"{n}x{k}, M={m}, bf16 activations, AdamW", "us_per_call": rows}
+    for name, us in rows.items():
+        print(f"{name:14s} {us:8.1f} us/call")
+    with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
