@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
 from forge_compile.kernels import wgrad_update as wu  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
-from forge_compile.optim.rule import get_rule  # noqa: E402
+from forge_compile.optim.rules import adamw_rule  # noqa: E402
 
 
 def per_call_us(fn, calls, reset):
@@ -58,8 +58,8 @@ def main():
     w = torch.randn(n, k, device=dev)
     dy_t = torch.randn(m, n, device=dev, dtype=torch.bfloat16).t()
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    rule_name = "adamw[amsgrad=False,maximize=False,weight_decay=True]"
-    rule = get_rule(rule_name)
+    rule = adamw_rule()        # constructing a rule registers it under its name
+    rule_name = rule.name
     step = torch.tensor(10.0)
     states = [step, torch.zeros(n, k, device=dev), torch.zeros(n, k, device=dev)]
     hp = [torch.tensor(v, dtype=torch.float64) for v in (1e-4, 0.9, 0.999, 1e-8, 0.01)]
