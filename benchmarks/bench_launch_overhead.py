@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
-from forge_compile.kernels import wgrad_update as wu  # noqa: E402
+from forge_compile.kernels.wgrad_update import wgrad_update  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from forge_compile.optim.rules import adamw_rule  # noqa: E402
 
@@ -73,7 +73,7 @@ def main():
     rows = {
         "kernel": per_call_us(kern, a.calls, lambda: None),
         "launch": per_call_us(lambda: wt.launch_wgrad_update(w, dy_t, x, states, hp, rule), a.calls, reset),
-        "wgrad_update": per_call_us(lambda: wu.wgrad_update(w, dy_t, x, states, hp, rule_name), a.calls, reset),
+        "wgrad_update": per_call_us(lambda: wgrad_update(w, dy_t, x, states, hp, rule_name), a.calls, reset),
         "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule_name), a.calls, reset),
     }
     st = torch.tensor([10.0], device=dev)
