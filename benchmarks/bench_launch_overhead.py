@@ -8,7 +8,7 @@ only while the host part is the slower one. Rows, each adding one layer above th
   kernel  - the Triton launch alone (``bound_launch``: host part done once)
   launch  - ``launch_wgrad_update``: checks, memoized host scalars, config, launch, scalar-state update
   op      - ``torch.ops.forge.wgrad_update_`` (what Inductor's compiled backward calls): dispatcher + impl
-and, for scale, ``unfused`` = ``torch.mm(out_dtype=fp32)`` + ``torch._fused_adamw_`` (2 launches).
+and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
 Results: stdout and DIR/launch_overhead.json.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
 from forge_compile.kernels.wgrad_update import wgrad_update  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
-from forge_compile.optim.rules import adamw_rule  # noqa: E402
+from bench_wgrad_update import make_inputs, make_unfused  # noqa: E402  (this folder)
 
 
 def per_call_us(fn, calls, reset):
@@ -54,16 +54,9 @@ def main():
         return
     n = k = 256
     m = 64
-    dev = "cuda"
-    w = torch.randn(n, k, device=dev)
-    dy_t = torch.randn(m, n, device=dev, dtype=torch.bfloat16).t()
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    rule = adamw_rule()        # constructing a rule registers it under its name
-    rule_name = rule.name
-    step = torch.tensor(10.0)
-    states = [step, torch.zeros(n, k, device=dev), torch.zeros(n, k, device=dev)]
-    hp = [torch.tensor(v, dtype=torch.float64) for v in (1e-4, 0.9, 0.999, 1e-8, 0.01)]
-    assert len(hp) == len(rule.hparams), rule.hparams
+    # the kernel benchmark's inputs and unfused baseline (cuBLAS wgrad + torch._fused_adamw_), at a tiny shape
+    rule, w, dy_t, x, states, hp = make_inputs("adamw", torch.bfloat16, n, k, m)
+    step = states[0]
 
     def reset():
         step.fill_(10.0)   # same host-scalar values every call: the memoized path, as for most linears
@@ -73,15 +66,10 @@ def main():
     rows = {
         "kernel": per_call_us(kern, a.calls, lambda: None),
         "launch": per_call_us(lambda: wt.launch_wgrad_update(w, dy_t, x, states, hp, rule), a.calls, reset),
-        "wgrad_update": per_call_us(lambda: wgrad_update(w, dy_t, x, states, hp, rule_name), a.calls, reset),
-        "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule_name), a.calls, reset),
+        "wgrad_update": per_call_us(lambda: wgrad_update(w, dy_t, x, states, hp, rule.name), a.calls, reset),
+        "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset),
     }
-    st = torch.tensor([10.0], device=dev)
-
-    def unfused():
-        grad = torch.mm(dy_t, x, out_dtype=torch.float32)
-        torch._fused_adamw_([w], [grad], [states[1]], [states[2]], [], [st], lr=1e-4, beta1=0.9,
-                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    unfused, _ = make_unfused("adamw", rule, w, dy_t, x, states, hp)
     rows["unfused"] = per_call_us(unfused, a.calls, lambda: None)
     import triton
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
