@@ -31,6 +31,7 @@ from .graph_printer import format_graph
 from .optim.rule import decompose_apply_rule
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_optimizer, prepare_states, structure_key)
+from .passes.remat_for_backward import remat_for_backward
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -239,6 +240,7 @@ class CompiledTrainStep:
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
         decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse)
+        remat_for_backward(gm, out_info["n"])
         report = FusionReport(decisions, graph="train_step")
         if not any(d.fused for d in decisions) and self._fuse and decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")

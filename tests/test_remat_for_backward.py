@@ -1,0 +1,111 @@
+"""remat_for_backward: cheap forward values are recomputed at their backward use, never across a write."""
+import torch
+import torch.nn.functional as F
+
+import forge_compile as forge
+from forge_compile import _compat
+from forge_compile.passes.remat_for_backward import _root, backward_start, remat_for_backward
+from models import MLP
+
+aten = torch.ops.aten
+
+
+def _live_across(gm, start):
+    """Non-input nodes defined before the backward and read after it began (what stays alive at the
+    forward/backward boundary)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    return [n for n in nodes[:start] if n.op == "call_function"
+            and any(u.op != "output" and pos[u] >= start for u in n.users)]
+
+
+def _captured_autocast_mlp(monkeypatch, remat):
+    torch.manual_seed(0)
+    m = MLP(16, 32, 8)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def fn(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(m(x).float(), y)
+        loss.backward(); opt.step(); opt.zero_grad()
+        return loss
+
+    step = forge.compile_train_step(fn)
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    args = step._prepare((x, y), {})
+    modules, optimizers, params, pnames, buffers, plans = args
+    states, hparams = step._state_and_hparams(plans)
+    flat = ([p.detach() for p in params] + [b.detach() for b in buffers]
+            + [s for ss in states for s in ss] + [h for hh in hparams for h in hh] + [x, y])
+    key = step._key(modules, optimizers, params, buffers, states, (x, y), {})
+    with monkeypatch.context() as mp:
+        if not remat:
+            mp.setattr("forge_compile.capture.remat_for_backward", lambda gm, n: 0)
+        gm, _, out_info = step._build(key, modules, optimizers, params, pnames, buffers, plans, states,
+                                      hparams, flat, (x, y), {})
+    return gm, out_info
+
+
+def test_autocast_weight_copies_and_activations_not_kept_across_backward(monkeypatch):
+    before, info = _captured_autocast_mlp(monkeypatch, remat=False)
+    after, _ = _captured_autocast_mlp(monkeypatch, remat=True)
+    live_before = _live_across(before, backward_start(before, info["n"]))
+    live_after = _live_across(after, backward_start(after, info["n"]))
+    roots = lambda live: {_root(n) for n in live}
+    casts = lambda live: [n for n in roots(live) if n.target is aten._to_copy.default
+                          and n.args[0].op == "placeholder"]
+    # Without the pass the bf16 copy of fc2.weight (read again by dX = dY @ W) and the bf16 input
+    # (X of fc1's fused update) stay alive across the boundary, as does gelu's output (X of fc2's).
+    assert len(casts(live_before)) == 2
+    assert any(n.target is aten.gelu.default for n in roots(live_before))
+    assert casts(live_after) == []
+    assert not any(n.target is aten.gelu.default for n in roots(live_after))
+    # what may stay: fc1's pre-activation (gelu_backward needs it) and the fp32 output (mse backward)
+    assert len(live_after) < len(live_before)
+
+
+def _trace(fn, *args):
+    return _compat.make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _step_with_write(w, x, write):
+    c = w.to(torch.bfloat16)
+    loss = (x.to(torch.bfloat16) @ c.t()).float().sum()
+    y = loss * 2               # first consumer of the returned loss: the "backward" starts here
+    if write:
+        w.add_(1.0)            # W is updated before the late read of its copy
+    z = c.float().sum() + y
+    return loss, z
+
+
+def test_recomputes_a_cast_read_late():
+    gm = _trace(lambda w, x: _step_with_write(w, x, False), torch.randn(4, 3), torch.randn(2, 3))
+    assert remat_for_backward(gm, 1) == 1
+    w = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert len([n for n in gm.graph.nodes if n.target is aten._to_copy.default and n.args[0] is w]) == 2
+
+
+def test_never_recomputes_across_a_write_to_its_input():
+    w, x = torch.randn(4, 3), torch.randn(2, 3)
+    gm = _trace(lambda w, x: _step_with_write(w, x, True), w, x)
+    assert remat_for_backward(gm, 1) == 0
+    # and the graph still computes what the function does (z reads the copy made before the write)
+    w1, w2 = w.clone(), w.clone()
+    ref = _step_with_write(w1, x, True)
+    out = gm(w2, x)
+    torch.testing.assert_close(out[1], ref[1])
+    torch.testing.assert_close(w2, w1)
+
+
+def test_random_ops_are_not_recomputed():
+    def fn(w, x):
+        d = F.dropout(x, 0.5, training=True)
+        loss = (d @ w.t()).sum()
+        return loss, d.sum() + loss * 2      # the dropout output is read again after the "backward" starts
+    gm = _trace(fn, torch.randn(4, 3), torch.randn(2, 3))
+    seeded = lambda: sum(1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+                         and torch.Tag.nondeterministic_seeded in n.target.tags)
+    n_seeded = seeded()
+    assert n_seeded >= 1
+    remat_for_backward(gm, 1)
+    assert seeded() == n_seeded
