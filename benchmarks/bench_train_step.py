@@ -62,9 +62,9 @@ PRESETS = {
     # ~0.54B parameters (2.2 GB fp32 weights, 4.3 GB AdamW states, 2.2 GB fp32 dW), 8 layers unrolled in
     # each compiled graph: the compile of one run stays around a minute on the H200 host.
     "full": dict(d_model=2048, layers=8, heads=16, d_ff=5632, vocab=32000, seq_len=1024, mbs="2,16",
-                 check_steps=3, warmup=3, iters=10, verify_budget=True),
+                 check_steps=3, warmup=3, iters=20, verify_budget=True),
     "quick": dict(d_model=2048, layers=2, heads=16, d_ff=5632, vocab=32000, seq_len=1024, mbs="2,8",
-                  check_steps=3, warmup=2, iters=5, verify_budget=False),
+                  check_steps=3, warmup=3, iters=20, verify_budget=False),
     "tiny": dict(d_model=64, layers=1, heads=2, d_ff=128, vocab=128, seq_len=16, mbs="2",
                  check_steps=3, warmup=1, iters=2, verify_budget=False),
 }
@@ -243,7 +243,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     xc, yc = random_batch(mb, cfg["seq_len"], cfg["vocab"], device, generator=gen)
     losses, step_s = [], []
-    for _ in range(cfg["check_steps"] if cfg["role"] == "main" else 1):
+    for _ in range(cfg["check_steps"] if cfg["role"] == "main" else 1):   # repeats: the compile step only
         t0 = time.perf_counter()
         loss = float(step(xc, yc))
         step_s.append(time.perf_counter() - t0)
@@ -294,7 +294,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
         res["grad_bytes_how"] = ".grad bytes alive at opt.step() (measured)"
     del x, y, loss
 
-    if cfg["role"] == "main":
+    if cfg["role"] == "main" or cfg["role"].startswith("repeat"):
         batches = [fresh() for _ in range(cfg["iters"])]
         times = []
         if device.type == "cuda":
@@ -459,6 +459,13 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
     """Comparisons against the baseline; pure function of the run results (unit-tested)."""
     main = {(r["route"], r["mb"]): r for r in results if r.get("role", "main") == "main"}
     ok = lambda r: r is not None and r.get("status") == "ok"
+    # --repeat: the same (route, mb) timed again in fresh processes; the row's time is the median of the
+    # runs' medians (step times swing by several ms between processes at small micro-batches)
+    run_ms = {}
+    for r in results:
+        if ok(r) and r.get("median_ms") and (r.get("role", "main") == "main" or r["role"].startswith("repeat")):
+            run_ms.setdefault((r["route"], r["mb"]), []).append(r["median_ms"])
+    med = lambda key: statistics.median(run_ms[key]) if run_ms.get(key) else None
     tol = LOSS_ATOL["bf16" if cfg["device"].startswith("cuda") and not cfg["fp32"] else "fp32"]
     rows = []
     for (route, mb), r in sorted(main.items(), key=lambda kv: (kv[0][1], ROUTES.index(kv[0][0]))):
@@ -466,7 +473,9 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
         row = dict(route=route, mb=mb, status=r.get("status"), error=r.get("error"),
                    tokens_per_step=mb * cfg["seq_len"])
         if ok(r):
-            row.update(median_ms=r.get("median_ms"), tokens_per_s=r.get("tokens_per_s"),
+            ms = med((route, mb))
+            row.update(median_ms=ms, run_medians_ms=run_ms.get((route, mb), []),
+                       tokens_per_s=mb * cfg["seq_len"] / (ms / 1e3) if ms else None,
                        peak_bytes=r.get("peak_bytes"), first_step_s=r.get("first_step_s"),
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"])
             if route != "baseline":
@@ -481,8 +490,8 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
             drop = base["check_losses"][0] - base["check_losses"][-1]
             row.update(loss_max_abs_diff=max(d) if d else None, loss_tol=tol, baseline_loss_drop=drop,
                        loss_ok=bool(d) and max(d) <= tol)
-            if r.get("median_ms") and base.get("median_ms"):
-                row["speedup"] = base["median_ms"] / r["median_ms"]
+            if med((route, mb)) and med(("baseline", mb)):
+                row["speedup"] = med(("baseline", mb)) / med((route, mb))
             if r.get("peak_bytes") is not None and base.get("peak_bytes") is not None:
                 row["peak_saved_bytes"] = base["peak_bytes"] - r["peak_bytes"]
                 row["peak_saved_frac_of_linear_dw"] = row["peak_saved_bytes"] / r["linear_dw_bytes"]
@@ -629,7 +638,10 @@ def render(cfg, analysis, results, header):
                           [[rt, yn(v["correct"]), yn(v["peak_drop_ge_95pct_of_linear_dw"]), yn(v["budget_mb_ge_2x"]),
                             yn(v["speedup_ge_1_2x_at_smallest_mb"]), yn(v["not_slower_at_largest_mb"])]
                            for rt, v in vd.items()]))
-    out += ["", f"Main table: median step time over {cfg['iters']} timed steps after {cfg['warmup']} warm-up "
+    repeat = cfg.get("repeat", 1)
+    out += ["", (f"Each row timed in {repeat} processes: median ms is the median of their medians, their range "
+                 "in brackets. " if repeat > 1 else "") +
+            f"Main table: median step time over {cfg['iters']} timed steps after {cfg['warmup']} warm-up "
             f"steps ({'CUDA events' if cfg['device'].startswith('cuda') else 'perf_counter'}; compile steps "
             f"excluded), fresh random token batches. loss check: max |loss - baseline loss| over the first "
             f"{cfg['check_steps']} steps on one fixed random batch, tolerance {analysis['loss_tol']:g} nats "
@@ -644,7 +656,10 @@ def render(cfg, analysis, results, header):
             ("" if r["all_linear_fused"] else " FAIL")
         loss = "-" if r["route"] == "baseline" or r.get("loss_max_abs_diff") is None else \
             f"{r['loss_max_abs_diff']:.1e} {'ok' if r['loss_ok'] else 'FAIL'} ({r['baseline_loss_drop']:.2f})"
-        body.append([r["route"], r["mb"], r["tokens_per_step"], "ok", f"{r['median_ms']:.2f}",
+        runs_ms = r.get("run_medians_ms") or []
+        ms_cell = f"{r['median_ms']:.2f}" + (f" ({min(runs_ms):.2f}-{max(runs_ms):.2f}, {len(runs_ms)} runs)"
+                                             if len(runs_ms) > 1 else "")
+        body.append([r["route"], r["mb"], r["tokens_per_step"], "ok", ms_cell,
                      f"{r['tokens_per_s']:,.0f}", "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
                      _g(r.get("peak_bytes")), fusedcol, loss,
                      f"compile step {r['first_step_s']:.0f} s" + ("" if r.get("adamw_fused", True)
@@ -682,6 +697,8 @@ def parse_args(argv):
     p.add_argument("--forge-adamw-fused", choices=("auto", "on", "off"), default="auto",
                    help="AdamW(fused=...) in the forge routes; auto: True unless forge refuses it (printed)")
     p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time every (route, micro-batch) in this many processes (median of their medians)")
     args = p.parse_args(argv)
     preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
     for k, val in preset.items():
@@ -705,7 +722,7 @@ def main(argv=None):
     cfg = dict(device=args.device, fp32=bool(args.fp32), d_model=args.d_model, layers=args.layers,
                heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
-               forge_adamw_fused=args.forge_adamw_fused)
+               forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat)
     lines = []
 
     def log(s):
@@ -740,6 +757,12 @@ def main(argv=None):
         for route in routes:
             results.append(runner.run(route, mb))
             write()
+    # Repeats after every main run, interleaving routes: a slow phase of the machine hits every route.
+    for i in range(1, args.repeat):
+        for mb in mbs:
+            for route in routes:
+                results.append(runner.run(route, mb, role=f"repeat{i}", min_time=60.0))
+                write()
     if args.verify_budget and args.device.startswith("cuda"):
         an = analyse(cfg, results, args.budget_gib, args.budget_base_mb)
         b = an.get("budget")

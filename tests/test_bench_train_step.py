@@ -36,6 +36,19 @@ def _synthetic():
                                                                              losses=(10.8, 9.5, 9.0))]
 
 
+def test_repeats_give_the_median_of_run_medians():
+    res = _synthetic()
+    res += [dict(_run("step", 2, 9, 120), role="repeat1"), dict(_run("step", 2, 9, 70), role="repeat2"),
+            dict(_run("baseline", 2, 11, 110), role="repeat1")]
+    rows = {(r["route"], r["mb"]): r for r in bench.analyse(CFG, res)["rows"]}
+    assert rows[("step", 2)]["median_ms"] == 80 and sorted(rows[("step", 2)]["run_medians_ms"]) == [70, 80, 120]
+    assert rows[("baseline", 2)]["median_ms"] == pytest.approx(105)
+    assert rows[("step", 2)]["speedup"] == pytest.approx(105 / 80)
+    assert rows[("step", 2)]["tokens_per_s"] == pytest.approx(2 * 1024 / 0.080)
+    text = bench.render(dict(CFG, repeat=3), bench.analyse(CFG, res), res, "header")
+    assert "80.00 (70.00-120.00, 3 runs)" in text
+
+
 def test_fit_and_largest_micro_batch():
     a, b = bench.fit_line([(2, 11.0), (16, 25.0)])
     assert a == pytest.approx(9.0) and b == pytest.approx(1.0)
