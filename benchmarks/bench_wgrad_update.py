@@ -1,11 +1,14 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all] [--procs 8]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon] [--procs 8]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
 M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
-elsewhere.
+elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
+
+Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
+its ratios to unfused and to the Triton default config), checked first like the Triton configs.
 
 Baselines (unfused): torch.mm(dy_t, x, out_dtype=torch.float32) for bf16 (cuBLAS, bf16 in, fp32 out), plain
 fp32 torch.mm for fp32 activations (IEEE: TF32 off, as torch's default), then torch._fused_adamw_ /
@@ -33,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
 
@@ -128,6 +132,35 @@ def check_config(rule, w, dy_t, x, st, hp, config):
     return ok, rel, exact, w1
 
 
+def gluon_why(rule, w, dy_t, x, st):
+    """None when the Gluon kernel can take this case (judged as under FORGE_WGRAD_KERNEL=gluon), else why not."""
+    old = os.environ.get(wg.ENV)
+    os.environ[wg.ENV] = "gluon"
+    try:
+        return wg.gluon_reason(w, dy_t, x, st, rule, grad_out=w)   # grad_out: judged by shape/layout only
+    finally:
+        if old is None:
+            del os.environ[wg.ENV]
+        else:
+            os.environ[wg.ENV] = old
+
+
+def check_gluon(rule, w, dy_t, x, st, hp):
+    """check_config for the Gluon kernel."""
+    w1, st1 = w.clone(), [s.clone() for s in st]
+    grad = torch.full_like(w, float("nan"))
+    wg.launch(w1, dy_t, x, st1, hp, rule, grad_out=grad)
+    ref = dy_t.double() @ x.double()
+    rel = ((grad.double() - ref).norm() / ref.norm()).item()
+    del ref
+    we, ste = w.clone(), [s.clone() for s in st]
+    with torch.no_grad():
+        rule.apply(we, grad, ste, hp)
+    exact = torch.equal(w1, we) and all(torch.equal(a, b) for a, b in zip(st1, ste))
+    ok = rel < 1e-5 and not grad.isnan().any().item() and exact
+    return ok, rel, exact, w1
+
+
 # ---- parallel precompilation (the Triton disk cache is shared; the timed process then only loads) ----
 
 
@@ -139,7 +172,10 @@ def _precompile(job):
         t0 = time.time()
         for store_grad in (False, True):
             gout = torch.empty_like(w) if store_grad else None
-            kernel, grid, args, opts, _, _ = wt._prepare(w, dy_t, x, st, hp, rule, gout, config)
+            if config == "gluon":
+                kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, gout)
+            else:
+                kernel, grid, args, opts, _, _ = wt._prepare(w, dy_t, x, st, hp, rule, gout, config)
             kernel.warmup(*args, grid=grid, **opts)
         return f"precompiled {kind} {act} {config} {n}x{k} M={m} in {time.time() - t0:.1f}s"
     except Exception as e:  # reported, and the timed process will report it again
@@ -162,10 +198,16 @@ def final_cases():
     return cases
 
 
+def gluon_cases():
+    cases = [("adamw", "bfloat16", n, k, m) for n, k in SHAPES3[:2] for m in MS]
+    cases += [(kind, "bfloat16", 4096, 4096, m) for kind in ("sgdm", "lion") for m in MS]
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all"])
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -192,12 +234,14 @@ def main():
     if args.cases in ("final", "all"):
         seen = {(p[0], p[1], p[2], p[3], p[4]) for p in plan}
         plan += [(*c, short) for c in final_cases() if c not in seen]
+    if args.cases == "gluon":
+        plan += [(*c, short) for c in gluon_cases()]
 
     # precompile every (case kind, config) in parallel processes
     jobs = set()
     for kind, act, n, k, m, cfgs in plan:
         upcast = act == "float32"
-        for c in set(cfgs) | {wt.pick_config(n, k, m, False, upcast)}:
+        for c in set(cfgs) | {wt.pick_config(n, k, m, False, upcast)} | (set() if upcast else {"gluon"}):
             jobs.add((kind, act, c, _small(n), _small(k), m if m % 128 else 256))
     t0 = time.time()
     with mp.get_context("spawn").Pool(args.procs) as pool:
@@ -234,6 +278,24 @@ def main():
             fns[c] = wt.bound_launch(w, dy_t, x, st, hp, rule, config=c)
             ck = fns[c]()
             regs[c] = (getattr(ck, "n_regs", None), getattr(ck, "n_spills", None))
+        # the Gluon kernel (sm_90): checked like the configs, timed alone
+        g_fn, g_why, g_rel_w = None, gluon_why(rule, w, dy_t, x, st), None
+        if g_why is None:
+            try:
+                ok, rel, exact, w1 = check_gluon(rule, w, dy_t, x, st, hp)
+                wb = one_step(w, st)
+                g_rel_w = ((w1 - wb).norm() / (wb - w).norm()).item()
+                del w1
+                if ok:
+                    g_fn = wg.bound_launch(w, dy_t, x, st, hp, rule)
+                else:
+                    checks_ok = False
+                    g_why = f"CHECK FAILED: dW rel {rel:.1e} exact {exact}"
+                    log(f"  GLUON CHECK FAILED {kind} {act} {n}x{k} M={m}: dW rel {rel:.1e} exact {exact}")
+            except Exception as e:
+                checks_ok = False
+                g_why = f"{type(e).__name__}: {str(e)[:160]}"
+                log(f"  gluon failed at {kind} {act} {n}x{k} M={m}: {g_why}")
         n_tensor_states = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
         step0 = float(st[0]) if rule.is_scalar_state(0) else None
 
@@ -256,6 +318,7 @@ def main():
             t_hit = bench(full_hit)
         else:
             t_hit = float("nan")
+        t_gl = bench(g_fn) if g_fn is not None else float("nan")
         t_unf = min(t_unf1, bench(unfused))
         t_miss = bench(full_miss) if default in fns else float("nan")
         t_mm = bench(lambda: wgrad_mm(dy_t, x))
@@ -271,11 +334,14 @@ def main():
         row = dict(kind=kind, act=act, n=n, k=k, m=m, unfused_ms=t_unf, mm_ms=t_mm, mm_ideal_ms=t_ideal,
                    default_config=default, default_ms=res.get(default, float("nan")), best_config=best,
                    best_ms=res.get(best, float("nan")), launch_ms=t_hit, launch_miss_ms=t_miss, floor_ms=floor,
-                   rel_w_vs_torch=rel_w, configs=res, regs=regs)
+                   rel_w_vs_torch=rel_w, configs=res, regs=regs, gluon_ms=t_gl, gluon_why=g_why,
+                   gluon_rel_w_vs_torch=g_rel_w)
         rows.append(row)
         log(f"{kind} {act} {n}x{k} M={m}: unfused {t_unf:.4f} (mm {t_mm:.4f})  default {default} "
             f"{row['default_ms']:.4f} ({t_unf / row['default_ms']:.2f}x)  best {best} {row['best_ms']:.4f}  "
-            f"launch {t_hit:.4f} miss {t_miss:.4f}  floor {floor:.4f}  mm+ideal {t_ideal:.4f}  W vs torch {rel_w}")
+            f"launch {t_hit:.4f} miss {t_miss:.4f}  floor {floor:.4f}  mm+ideal {t_ideal:.4f}  W vs torch {rel_w}  "
+            f"gluon {t_gl:.4f} ({t_unf / t_gl:.2f}x unfused, {row['default_ms'] / t_gl:.2f}x triton; W vs torch "
+            f"{g_rel_w}{'' if g_why is None else '; ' + g_why})")
         if len(res) > 1:
             log("   " + "  ".join(f"{c}={v:.4f}(r{regs[c][0]},s{regs[c][1]})" for c, v in sorted(res.items(), key=lambda t: t[1])))
         del w, dy_t, x, st, unfused, one_step
@@ -283,12 +349,14 @@ def main():
 
     log("")
     log(f"{'rule':>5} {'act':>4} {'shape':>12} {'M':>5} {'unfused':>8} {'fused':>8} {'cfg':>10} {'ratio':>6} "
-        f"{'best':>8} {'bestcfg':>12} {'launch':>8} {'ratio_l':>7} {'miss':>8} {'floor':>7}")
+        f"{'best':>8} {'bestcfg':>12} {'launch':>8} {'ratio_l':>7} {'miss':>8} {'gluon':>8} {'unf/gl':>6} "
+        f"{'tri/gl':>6} {'floor':>7}")
     for r in rows:
         log(f"{r['kind']:>5} {r['act'][:4]:>4} {str(r['n']) + 'x' + str(r['k']):>12} {r['m']:>5} {r['unfused_ms']:8.4f} "
             f"{r['default_ms']:8.4f} {r['default_config']:>10} {r['unfused_ms'] / r['default_ms']:6.2f} "
             f"{r['best_ms']:8.4f} {str(r['best_config']):>12} {r['launch_ms']:8.4f} {r['unfused_ms'] / r['launch_ms']:7.2f} "
-            f"{r['launch_miss_ms']:8.4f} {r['floor_ms']:7.4f}")
+            f"{r['launch_miss_ms']:8.4f} {r['gluon_ms']:8.4f} {r['unfused_ms'] / r['gluon_ms']:6.2f} "
+            f"{r['default_ms'] / r['gluon_ms']:6.2f} {r['floor_ms']:7.4f}")
     log(f"checks {'OK' if checks_ok else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

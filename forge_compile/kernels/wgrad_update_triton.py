@@ -494,7 +494,16 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *,
 
 
 def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: str | None = None):
-    """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place."""
+    """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
+
+    On sm_90 the launch may go to the Gluon kernel (wgrad_update_gluon.use_gluon; FORGE_WGRAD_KERNEL=auto|gluon|
+    triton); a ``config`` names a Triton config and keeps it on this kernel."""
+    if config is None and weight.is_cuda:
+        # imported here: the Gluon module is only needed (and gluon only imported) on a CUDA launch
+        from .wgrad_update_gluon import try_launch
+
+        if try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
+            return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, grad_out, config)
     kernel[grid](*args, **opts)
