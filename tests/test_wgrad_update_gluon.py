@@ -1,0 +1,296 @@
+"""The Gluon (sm_90) wgrad+update kernel: selection logic and rendering on CPU, exactness on an H200.
+
+Exactness standard (as for the Triton kernel): W/states bit-identical to eager ``rule.fn`` applied to the dW the
+kernel stored (grad_out), that dW within 1e-5 of the fp64 product. Anything the Gluon path does not take must go
+to the Triton kernel, never fail.
+"""
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
+from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
+from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
+from forge_compile.optim import rules as R  # noqa: E402
+from forge_compile.optim.rule import Rule, register_rule  # noqa: E402
+
+
+def _adamw_fma(p, g, m, v, step, lr, beta1, beta2, eps, wd):
+    # lerp / addcdiv / add-with-alpha: the generated epilogue spells out FMAs (gl.fma)
+    step = step + 1
+    p = p * (1 - lr * wd)
+    m = torch.lerp(m, g, 1 - beta1)
+    v = torch.add(v * beta2, g * g, alpha=1 - 0.999)
+    denom = v.sqrt() / (1 - beta2 ** step).sqrt() + eps
+    p = torch.addcdiv(p, (lr / (1 - beta1 ** step)) * m, denom, value=-1.0)
+    return p, m, v, step
+
+
+def _clampy(p, g, buf, lr, clip):
+    # maximum/minimum (NaN-propagating), where, full_like, sign
+    buf = torch.where(g.abs() > clip, g.sign() * clip, buf * 0.9 + g)
+    upd = torch.maximum(torch.minimum(buf, torch.full_like(buf, 3.0)), -buf.pow(2) - 1)
+    return p - lr * upd, buf
+
+
+ADAMW_FMA = register_rule(Rule("test_gluon_adamw_fma", _adamw_fma, states=("exp_avg", "exp_avg_sq", "step"),
+                               scalar_states=("step",), hparams=("lr", "beta1", "beta2", "eps", "wd")))
+CLAMPY = register_rule(Rule("test_gluon_clampy", _clampy, states=("momentum_buffer",), hparams=("lr", "clip")))
+
+_HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "wd": 0.01, "momentum": 0.9,
+       "dampening": 0.1, "alpha": 0.99, "lr_decay": 0.01, "clip": 0.5}
+
+RULES = {
+    "adamw": R.adamw_rule(),
+    "sgdm": R.sgd_rule(momentum=True),
+    "lion": R.lion_rule(),
+    "rmsprop_cm": R.rmsprop_rule(centered=True, momentum=True),   # 3 tensor states: 5 arrays per slot with dW
+    "adamw_fma": ADAMW_FMA,
+    "clampy": CLAMPY,
+}
+CATALOGUE = [R.adamw_rule(), R.adam_rule(amsgrad=True, weight_decay=True), R.sgd_rule(),
+             R.sgd_rule(momentum=True, nesterov=True, weight_decay=True), R.lion_rule(),
+             R.rmsprop_rule(centered=True, momentum=True), R.adagrad_rule(weight_decay=True), ADAMW_FMA, CLAMPY]
+
+
+def _make(rule, n, k, m, dtype=torch.bfloat16, device="cpu", seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    states = []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            states.append(torch.tensor(4.0))
+        else:
+            scale = 0.01 if name == "grad_avg" else 0.1
+            states.append(torch.rand(n, k, generator=gen) * scale + 0.05 * (scale == 0.1))
+    dy = torch.randn(m, n, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    hp = [torch.tensor(_HP.get(h, 0.01), dtype=torch.float64) for h in rule.hparams]
+    states = [s if s.dim() == 0 else s.to(device) for s in states]
+    return w.to(device), dy.to(device).t(), x.to(device), states, hp   # dy_t: transposed view, as in autograd
+
+
+# ---- CPU: rendering and selection ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", CATALOGUE, ids=lambda r: r.name)
+def test_render_every_rule(rule):
+    ep = compile_epilogue(rule, "cuda")
+    src = wg.render_gluon_source(ep)
+    ast.parse(src)
+    body = src.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
+    assert "tl." not in body and "BLOCK_" not in body
+    if rule is ADAMW_FMA:
+        assert "gl.fma(" in body and "gl.div_rn(" in body and "gl.sqrt_rn(" in body
+    if rule is CLAMPY:
+        assert "propagate_nan=PROPAGATE_ALL" in body and "gl.full_like(p, 3.0)" in body
+
+
+def test_render_refuses_unknown_spelling():
+    with pytest.raises(wg.GluonUnsupported):
+        wg._to_gluon("    t0 = tl.erf(g)")
+    with pytest.raises(wg.GluonUnsupported):
+        wg._to_gluon("    t0 = tl.full([BLOCK_N, BLOCK_K], c0 + c1, tl.int32)")
+
+
+def test_pick_gconfig_fits_smem():
+    for n_arrays in range(1, 6):
+        for m in (64, 512, 513, 8192):
+            cfg = wg.pick_gconfig(m, n_arrays)
+            assert cfg is not None and cfg.es >= 2 and cfg.stages >= 2
+            smem = cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * 2 + cfg.es * n_arrays * cfg.bn * cfg.epi_n * 4
+            assert smem <= wg._RING_SMEM
+    assert wg.pick_gconfig(256, 40) is None
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """CPU tensors judged as if on an H200 with gluon present (the selection logic only)."""
+    monkeypatch.setattr(wg, "_device_ok", lambda dev: True)
+    monkeypatch.setattr(wg, "gluon_available", lambda: True)
+    monkeypatch.setenv(wg.ENV, "gluon")
+
+
+def test_use_gluon_selection(fake_sm90, monkeypatch):
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 256, 128, 96)
+    assert wg.gluon_reason(w, dy_t, x, st, rule) is None
+    assert wg.use_gluon(w, dy_t, x, st, rule, grad_out=torch.empty_like(w))
+    # forced off / auto
+    monkeypatch.setenv(wg.ENV, "triton")
+    assert not wg.use_gluon(w, dy_t, x, st, rule)
+    monkeypatch.setenv(wg.ENV, "auto")
+    monkeypatch.setattr(wg, "AUTO_GLUON", True)
+    assert wg.use_gluon(w, dy_t, x, st, rule)
+    monkeypatch.setattr(wg, "AUTO_GLUON", False)
+    assert not wg.use_gluon(w, dy_t, x, st, rule)
+    monkeypatch.setenv(wg.ENV, "bogus")   # unknown value = auto
+    assert not wg.use_gluon(w, dy_t, x, st, rule)
+    monkeypatch.setenv(wg.ENV, "gluon")
+    # dtypes
+    assert not wg.use_gluon(w, dy_t.float(), x.float(), st, rule)
+    assert not wg.use_gluon(w, dy_t, x.half(), st, rule)
+    assert wg.use_gluon(w, dy_t.half(), x.half(), st, rule)
+    # layouts: dy_t contiguous [N, M] (not a transposed dY), x transposed
+    assert not wg.use_gluon(w, dy_t.contiguous(), x, st, rule)
+    assert not wg.use_gluon(w, dy_t, x.t().contiguous().t(), st, rule)
+    # M == 0
+    assert not wg.use_gluon(w, dy_t[:, :0], x[:0], st, rule)
+
+
+def test_use_gluon_alignment_and_states(fake_sm90):
+    rule = RULES["sgdm"]
+    w, dy_t, x, st, hp = _make(rule, 256, 128, 96)
+    # N or K not a multiple of 8 (16-byte TMA row strides)
+    w2, dy2, x2, st2, _ = _make(rule, 256, 130, 96)
+    assert not wg.use_gluon(w2, dy2, x2, st2, rule)
+    w3, dy3, x3, st3, _ = _make(rule, 252, 128, 96)
+    assert not wg.use_gluon(w3, dy3, x3, st3, rule)
+    # misaligned base pointer (storage offset of one element)
+    xs = torch.empty(96 * 128 + 1, dtype=x.dtype)[1:].view(96, 128).copy_(x)
+    assert not wg.use_gluon(w, dy_t, xs, st, rule)
+    # a non-contiguous / wrong-dtype state or grad_out: the Triton kernel raises its error
+    assert not wg.use_gluon(w, dy_t, x, [st[0].t().contiguous().t()], rule)
+    assert not wg.use_gluon(w, dy_t, x, st, rule, grad_out=torch.empty_like(w, dtype=torch.float16))
+    assert wg.use_gluon(w, dy_t, x, st, rule)
+
+
+def test_broken_kernel_falls_back(fake_sm90, monkeypatch):
+    rule = RULES["lion"]
+    w, dy_t, x, st, hp = _make(rule, 64, 64, 32)
+
+    def boom(*a, **k):
+        raise RuntimeError("no gluon here")
+
+    monkeypatch.setattr(wg, "launch", boom)
+    monkeypatch.setattr(wg, "_BROKEN", {})
+    assert not wg.try_launch(w, dy_t, x, st, hp, rule)   # nothing launched: the caller takes the Triton path
+    assert rule.name in wg._BROKEN and not wg.use_gluon(w, dy_t, x, st, rule)
+
+
+def test_cpu_launch_never_selects_gluon(monkeypatch):
+    # CPU tensors (blocked torch impl) never reach the Gluon module's checks
+    monkeypatch.setenv(wg.ENV, "gluon")
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 64, 48, 40, torch.float32)
+    w_ref, st_ref = w.clone(), [s.clone() for s in st]
+    wgrad_update(w, dy_t, x, st, hp, rule.name)
+    reference_wgrad_update(w_ref, dy_t, x, st_ref, hp, rule.name)
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- H200 ----------------------------------------------------------------------------------------------
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wg.gluon_available()
+
+
+sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
+
+
+def _check_exact(rule, n, k, m, dtype=torch.bfloat16, max_ctas=None, seed=1):
+    w, dy_t, x, st, hp = _make(rule, n, k, m, dtype, "cuda", seed)
+    grad = torch.full((n, k), float("nan"), device="cuda")   # poisoned: every element must be written
+    assert wg.gluon_reason(w, dy_t, x, st, rule, grad) in (None, "auto picks the Triton kernel")
+    w_e, st_e = w.clone(), [s.clone() for s in st]
+    wg.launch(w, dy_t, x, st, hp, rule, grad_out=grad, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    assert not grad.isnan().any()
+    ref = dy_t.double() @ x.double()
+    assert ((grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+    with torch.no_grad():
+        rule.apply(w_e, grad, st_e, hp)
+    assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} of {w.numel()} elements"
+    for s, e in zip(st, st_e):
+        assert torch.equal(s, e), f"state differs in {(s != e).sum().item()} elements"
+
+
+@pytest.fixture
+def force_gluon(monkeypatch):
+    monkeypatch.setenv(wg.ENV, "gluon")
+
+
+@sm90
+@pytest.mark.parametrize("name", list(RULES))
+def test_gluon_exact_ragged(force_gluon, name):
+    # N, K not multiples of the 128 tile (TMA zero-fill / clipped stores), M not a multiple of the 64-token step
+    _check_exact(RULES[name], 1000, 776, 333)
+
+
+@sm90
+@pytest.mark.parametrize("max_ctas", [3, 5])
+def test_gluon_exact_many_tiles_per_cta(force_gluon, max_ctas):
+    # 8 x 7 = 56 tiles on 3 or 5 CTAs: both consumers, many rounds, odd and even counts per CTA
+    _check_exact(RULES["adamw"], 1000, 776, 333, max_ctas=max_ctas)
+
+
+@sm90
+@pytest.mark.parametrize("shape", [(512, 512, 256), (512, 384, 1024), (256, 256, 8), (4096, 4096, 1024)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gluon_exact_even_and_odd_m(force_gluon, shape):
+    # even tiles; 4-stage ring (M > 512); M < one k-step; a full-size layer (1024 tiles on the whole GPU)
+    _check_exact(RULES["adamw"], *shape)
+
+
+@sm90
+def test_gluon_exact_fp16(force_gluon):
+    _check_exact(RULES["sgdm"], 512, 256, 200, dtype=torch.float16)
+
+
+@sm90
+def test_gluon_scalar_state_advances_once(force_gluon):
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 256, 256, 64, device="cuda")
+    step = [s for i, s in enumerate(st) if rule.is_scalar_state(i)][0]
+    wg.launch(w, dy_t, x, st, hp, rule)
+    assert step.item() == 5.0
+
+
+@sm90
+def test_op_path_uses_gluon(monkeypatch):
+    rule = RULES["adamw"]
+    calls = []
+    real = wg.launch
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(wg, "launch", spy)
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
+    w_ref, st_ref = w.clone(), [s.clone() for s in st]
+    for mode, expect in (("gluon", 1), ("triton", 0), ("auto", 1 if wg.AUTO_GLUON else 0)):
+        monkeypatch.setenv(wg.ENV, mode)
+        calls.clear()
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        torch.ops.forge.wgrad_update_(w1, dy_t, x, st1, hp, rule.name)
+        torch.cuda.synchronize()
+        assert len(calls) == expect, mode
+        w2, st2 = w_ref.clone(), [s.clone() for s in st_ref]
+        reference_wgrad_update(w2, dy_t, x, st2, hp, rule.name)
+        torch.testing.assert_close(w1, w2, rtol=2e-4, atol=2e-4)
+        for a, b in zip(st1, st2):
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+@sm90
+def test_unsupported_layout_falls_back_to_triton(force_gluon, monkeypatch):
+    # K % 8 != 0: no TMA descriptor; the op takes the Triton kernel and stays exact
+    rule = RULES["adamw"]
+    calls = []
+    monkeypatch.setattr(wg, "launch", lambda *a, **k: calls.append(1))
+    w, dy_t, x, st, hp = _make(rule, 1000, 777, 333, device="cuda")
+    assert not wg.use_gluon(w, dy_t, x, st, rule)
+    grad = torch.full_like(w, float("nan"))
+    w_e, st_e = w.clone(), [s.clone() for s in st]
+    wgrad_update(w, dy_t, x, st, hp, rule.name, grad_out=grad)
+    assert not calls and not grad.isnan().any()
+    with torch.no_grad():
+        rule.apply(w_e, grad, st_e, hp)
+    assert torch.equal(w, w_e)
