@@ -40,9 +40,12 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "ENV", "AUTO_GLUON"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
-# What "auto" picks on sm_90 when the Gluon path can take the launch (set from the H200 measurements in
-# benchmarks/NOTES_kernel.md, v5).
-AUTO_GLUON = False
+# What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5): Gluon
+# for rules whose epilogue has no correctly rounded division/sqrt (SGD-momentum 1.07-1.25x, Lion 1.10-1.27x the
+# Triton kernel at M = 256..8192), the Triton kernel for the others: AdamW through Gluon took 0.43-0.57 ms at
+# 4096x4096 vs Triton's 0.14-0.55 (0.32-1.00x), where the approximate-math prototype took 0.128 ms at M=256.
+AUTO_GLUON = True
+_AUTO_SLOW_OPS = ("div_rn", "sqrt_rn", "libdevice")
 
 
 class GluonUnsupported(Exception):
@@ -445,6 +448,8 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
         return f"{ENV}=triton"
     if mode == "auto" and not AUTO_GLUON:
         return "auto picks the Triton kernel"
+    if mode == "auto" and _auto_slow(rule):
+        return "auto: correctly rounded div/sqrt in the rule's epilogue, measured faster in the Triton kernel"
     if rule.name in _BROKEN:
         return _BROKEN[rule.name]
     dev = weight.device
@@ -477,6 +482,11 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
     if pick_gconfig(m, len(epi), x.element_size()) is None:
         return f"{len(epi)} fp32 arrays per epilogue slot do not fit in shared memory"
     return None
+
+
+def _auto_slow(rule: Rule) -> bool:
+    ep = _source_for(rule)[0]
+    return ep is None or any(op in ep.body for op in _AUTO_SLOW_OPS)
 
 
 def use_gluon(weight, dy_t, x, states, rule: Rule, grad_out=None) -> bool:
