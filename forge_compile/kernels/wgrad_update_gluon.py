@@ -43,7 +43,8 @@ ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5): Gluon
 # for rules whose epilogue has no correctly rounded division/sqrt (SGD-momentum 1.07-1.25x, Lion 1.10-1.27x the
 # Triton kernel at M = 256..8192), the Triton kernel for the others: AdamW through Gluon took 0.43-0.57 ms at
-# 4096x4096 vs Triton's 0.14-0.55 (0.32-1.00x), where the approximate-math prototype took 0.128 ms at M=256.
+# 4096x4096 in v5 (unrolled epilogue: instruction-cache bound); with the rolled chunk loop (v6) it is 0.99x the
+# Triton kernel at 4096x4096 M=256 and 1.02-1.22x everywhere else measured, so auto still keeps it on Triton.
 AUTO_GLUON = True
 _AUTO_SLOW_OPS = ("div_rn", "sqrt_rn", "libdevice")
 
@@ -67,6 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 PROPAGATE_ALL = gl.constexpr(tl.PropagateNan.ALL)
+# rolled epilogue chunk loop: for rules with correctly rounded div/sqrt or libdevice (long per-element code)
+ROLL_EPILOGUE = gl.constexpr({roll})
 
 
 @gluon.jit
@@ -146,6 +149,46 @@ def _split_cols(x, NSPLIT: gl.constexpr):
 
 
 @gluon.jit
+def _pick(xs, c, N: gl.constexpr):
+    # xs[c] for a runtime c < N (N a power of 2): a tree of log2(N) selects per register
+    LOG: gl.constexpr = N.bit_length() - 1
+    ys = xs
+    for lvl in gl.static_range(LOG):
+        bit = ((c >> lvl) & 1) != 0
+        nxt = ()
+        for i in gl.static_range(len(ys) // 2):
+            nxt += (gl.where(bit, ys[2 * i + 1], ys[2 * i]), )
+        ys = nxt
+    return ys[0]
+
+
+@gluon.jit
+def _epi_chunk(gch, c, e, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {state_bufs}g_bufs, e_ready, e_empty,
+               {scalar_params}ES: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr):
+    # chunk c (ring entry e) of a tile's epilogue: W/states from the slot, the rule, results back into the slot,
+    # TMA stores; then the previous chunk's slot goes back to the epilogue loader
+    EPI_N: gl.constexpr = w_desc.block_type.shape[1]
+    s = e % ES
+    mbarrier.wait(e_ready.index(s), (e // ES) & 1)
+    p = w_bufs.index(s).load(gch.type.layout)
+{chunk_loads}
+    {new_vars} = _rule(p, gch, {state_vars}{scalar_params})
+    w_bufs.index(s).store({new_p})
+{chunk_stores}
+    if STORE_GRAD:
+        g_bufs.index(s).store(gch)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(w_desc, [row0, col0 + c * EPI_N], w_bufs.index(s))
+{chunk_tma_stores}
+    if STORE_GRAD:
+        tma.async_copy_shared_to_global(g_desc, [row0, col0 + c * EPI_N], g_bufs.index(s))
+    # the previous chunk's stores have read their slot: hand it back (at c == 0 only this chunk's NST stores
+    # are in flight, the wait returns at once)
+    tma.store_wait(NST)
+    mbarrier.arrive(e_empty.index((e + ES - 1) % ES), pred=c > 0)
+
+
+@gluon.jit
 def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
               w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
               {scalar_params}M, num_tiles, num_n, num_k,
@@ -188,29 +231,18 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
 
         gs = _split_cols(acc, NCH)
         e0 = j * NCH
-        for c in gl.static_range(NCH):
-            e = e0 + c
-            s = e % ES
-            mbarrier.wait(e_ready.index(s), (e // ES) & 1)
-            gch = gs[c]
-            p = w_bufs.index(s).load(gch.type.layout)
-{chunk_loads}
-            {new_vars} = _rule(p, gch, {state_vars}{scalar_params})
-            w_bufs.index(s).store({new_p})
-{chunk_stores}
-            if STORE_GRAD:
-                g_bufs.index(s).store(gch)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(w_desc, [row0, col0 + c * EPI_N], w_bufs.index(s))
-{chunk_tma_stores}
-            if STORE_GRAD:
-                tma.async_copy_shared_to_global(g_desc, [row0, col0 + c * EPI_N], g_bufs.index(s))
-            if c > 0:
-                # the previous chunk's stores have read their slot: hand it back to the epilogue loader
-                tma.store_wait(NST)
-                mbarrier.arrive(e_empty.index((e + ES - 1) % ES))
-            if c == NCH - 1:
-                mbarrier.arrive(epi_turn.index(1 - CID))
+        if ROLL_EPILOGUE:
+            # a rolled loop (runtime c, the chunk picked by selects): unrolled, each consumer held NCH copies of
+            # the rule's code, 221 KB of SASS for AdamW (div.rn/sqrt.rn ~15 instructions + a slow-path branch
+            # each), more than the instruction cache holds (NOTES_kernel.md v6)
+            for c in range(NCH):
+                _epi_chunk(_pick(gs, c, NCH), c, e0 + c, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}ES, NST, STORE_GRAD)
+        else:
+            for c in gl.static_range(NCH):
+                _epi_chunk(gs[c], c, e0 + c, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}ES, NST, STORE_GRAD)
+        mbarrier.arrive(epi_turn.index(1 - CID))
         tma.store_wait(0)
         mbarrier.arrive(e_empty.index((e0 + NCH - 1) % ES))
         j += 2
@@ -308,9 +340,10 @@ def render_gluon_source(ep: Epilogue) -> str:
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in ("p", *states)]
-    i12 = " " * 12
+    i12, i4 = " " * 12, " " * 4
     return _TEMPLATE.format(
         rule=ep.rule_name,
+        roll=any(op in ep.body for op in _AUTO_SLOW_OPS),
         state_vars="".join(f"{s}, " for s in states),
         scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
         body=_to_gluon(ep.body) if ep.body.strip() else "    pass",
@@ -319,11 +352,11 @@ def render_gluon_source(ep: Epilogue) -> str:
         state_bufs="".join(f"{s}_bufs, " for s in states),
         epi_loads="\n".join(f"{i12}tma.async_copy_global_to_shared({s}_desc, [row0, col0 + c * EPI_N], bar, "
                             f"{s}_bufs.index(s))" for s in states),
-        chunk_loads="\n".join(f"{i12}{s} = {s}_bufs.index(s).load(gch.type.layout)" for s in states),
+        chunk_loads="\n".join(f"{i4}{s} = {s}_bufs.index(s).load(gch.type.layout)" for s in states),
         new_vars=", ".join(new_vars),
         new_p=new_vars[0],
-        chunk_stores="\n".join(f"{i12}{s}_bufs.index(s).store({v})" for s, v in zip(states, new_vars[1:])),
-        chunk_tma_stores="\n".join(f"{i12}tma.async_copy_shared_to_global({s}_desc, [row0, col0 + c * EPI_N], "
+        chunk_stores="\n".join(f"{i4}{s}_bufs.index(s).store({v})" for s, v in zip(states, new_vars[1:])),
+        chunk_tma_stores="\n".join(f"{i4}tma.async_copy_shared_to_global({s}_desc, [row0, col0 + c * EPI_N], "
                                    f"{s}_bufs.index(s))" for s in states),
         alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, [ES] + w_desc.block_type.shape, "
                                f"w_desc.layout)" for s in states),
