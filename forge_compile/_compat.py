@@ -11,9 +11,25 @@ from torch.nn.utils.stateless import _reparametrize_module as reparametrize_modu
 
 
 def compile_fx(gm, example_inputs):
-    from torch._inductor.compile_fx import compile_fx as _compile_fx
+    """Inductor on a whole-step graph, outside Dynamo.
 
-    return _compile_fx(gm, example_inputs)
+    Inductor's FX graph cache takes its ShapeEnv from the tracing context; called bare, every compile bypasses
+    the cache ("No shape env") and recompiles from scratch in every process (tens of seconds per step graph).
+    So the inputs are fakeified here with static shapes in a FakeTensorMode that has a ShapeEnv, under a
+    TracingContext of that mode, as Dynamo does for torch.compile.
+    """
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if TracingContext.try_get() is not None:
+        return _compile_fx(gm, example_inputs)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake_inputs = [fake_mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+                   for t in example_inputs]
+    with tracing(TracingContext(fake_mode)):
+        return _compile_fx(gm, fake_inputs)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ def _clampy(p, g, buf, lr, clip):
 ADAMW_FMA = register_rule(Rule("test_gluon_adamw_fma", _adamw_fma, states=("exp_avg", "exp_avg_sq", "step"),
                                scalar_states=("step",), hparams=("lr", "beta1", "beta2", "eps", "wd")))
 CLAMPY = register_rule(Rule("test_gluon_clampy", _clampy, states=("momentum_buffer",), hparams=("lr", "clip")))
+EXPY = register_rule(Rule("test_gluon_expy", lambda p, g, lr: (p - lr * torch.exp(g),), hparams=("lr",)))
 
 _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "wd": 0.01, "momentum": 0.9,
        "dampening": 0.1, "alpha": 0.99, "lr_decay": 0.01, "clip": 0.5}
@@ -126,12 +127,12 @@ def test_use_gluon_selection(fake_sm90, monkeypatch):
     assert not wg.use_gluon(w, dy_t, x, st, rule)
     monkeypatch.setenv(wg.ENV, "auto")
     monkeypatch.setattr(wg, "AUTO_GLUON", True)
-    # auto: AdamW (div_rn/sqrt_rn) stays on Triton, SGD-momentum and Lion go to Gluon (H200, NOTES v5)
-    assert "div/sqrt" in wg.gluon_reason(w, dy_t, x, st, rule)
-    for name in ("sgdm", "lion"):
+    # auto: AdamW, SGD-momentum and Lion go to Gluon (H200, NOTES v5-v6); libdevice rules stay on Triton
+    for name in ("adamw", "sgdm", "lion"):
         r = RULES[name]
         w2, dy2, x2, st2, _ = _make(r, 256, 128, 96)
         assert wg.use_gluon(w2, dy2, x2, st2, r), name
+    assert "libdevice" in wg.gluon_reason(*_make(EXPY, 256, 128, 96)[:4], EXPY)
     monkeypatch.setattr(wg, "AUTO_GLUON", False)
     assert not wg.use_gluon(w, dy_t, x, st, rule)
     monkeypatch.setenv(wg.ENV, "bogus")   # unknown value = auto

@@ -40,13 +40,15 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "ENV", "AUTO_GLUON"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
-# What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5): Gluon
-# for rules whose epilogue has no correctly rounded division/sqrt (SGD-momentum 1.07-1.25x, Lion 1.10-1.27x the
-# Triton kernel at M = 256..8192), the Triton kernel for the others: AdamW through Gluon took 0.43-0.57 ms at
-# 4096x4096 in v5 (unrolled epilogue: instruction-cache bound); with the rolled chunk loop (v6) it is 0.99x the
-# Triton kernel at 4096x4096 M=256 and 1.02-1.22x everywhere else measured, so auto still keeps it on Triton.
+# What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
+# Gluon, measured against the Triton kernel at M = 256..8192: SGD-momentum 1.07-1.25x, Lion 1.10-1.27x, and exact
+# AdamW (rolled chunk loop, v6) 0.99x at 4096x4096 M=256 and 1.02-1.22x at the 9 other points on 4096x4096 and
+# 14336x4096. Rules calling libdevice (exp/log/pow) were never timed through Gluon: they stay on Triton.
 AUTO_GLUON = True
-_AUTO_SLOW_OPS = ("div_rn", "sqrt_rn", "libdevice")
+# Epilogues with these long correctly-rounded sequences run their chunk loop rolled (v6: unrolled, AdamW's kernel
+# overflowed the instruction cache).
+_ROLL_OPS = ("div_rn", "sqrt_rn", "libdevice")
+_AUTO_TRITON_OPS = ("libdevice",)
 
 
 class GluonUnsupported(Exception):
@@ -343,7 +345,7 @@ def render_gluon_source(ep: Epilogue) -> str:
     i12, i4 = " " * 12, " " * 4
     return _TEMPLATE.format(
         rule=ep.rule_name,
-        roll=any(op in ep.body for op in _AUTO_SLOW_OPS),
+        roll=any(op in ep.body for op in _ROLL_OPS),
         state_vars="".join(f"{s}, " for s in states),
         scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
         body=_to_gluon(ep.body) if ep.body.strip() else "    pass",
@@ -482,7 +484,7 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
     if mode == "auto" and not AUTO_GLUON:
         return "auto picks the Triton kernel"
     if mode == "auto" and _auto_slow(rule):
-        return "auto: correctly rounded div/sqrt in the rule's epilogue, measured faster in the Triton kernel"
+        return "auto: libdevice math in the rule's epilogue, not measured through Gluon (Triton kernel)"
     if rule.name in _BROKEN:
         return _BROKEN[rule.name]
     dev = weight.device
@@ -519,7 +521,7 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
 
 def _auto_slow(rule: Rule) -> bool:
     ep = _source_for(rule)[0]
-    return ep is None or any(op in ep.body for op in _AUTO_SLOW_OPS)
+    return ep is None or any(op in ep.body for op in _AUTO_TRITON_OPS)
 
 
 def use_gluon(weight, dy_t, x, states, rule: Rule, grad_out=None) -> bool:
