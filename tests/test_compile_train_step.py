@@ -312,3 +312,34 @@ def test_explain_changes_no_tensor():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_whole_step_compile_uses_the_fx_graph_cache(tmp_path, monkeypatch):
+    """The whole-step graph is compiled outside Dynamo; it must still reach Inductor's FX graph cache (a bare
+    compile_fx call bypasses it for want of a ShapeEnv), so a second process or a second identical step does not
+    recompile from scratch. And a cache hit must train exactly like the fresh compile."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = MLP(12, 20, 4)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def fn(x, y, m=m, opt=opt):
+            loss = F.mse_loss(m(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            return loss
+        step = forge.compile_train_step(fn, models=m, optimizers=opt)
+        counters.clear()
+        with inductor_config.patch(fx_graph_cache=True):
+            x, y = torch.randn(5, 12), torch.randn(5, 4)
+            step(x, y); step(x, y)
+        results.append((dict(counters["inductor"]), [p.detach().clone() for p in m.parameters()]))
+    (first, p1), (second, p2) = results
+    assert first.get("fxgraph_cache_bypass", 0) == 0 and first.get("fxgraph_cache_miss") == 1
+    assert second.get("fxgraph_cache_hit") == 1
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
