@@ -420,6 +420,7 @@ class GConfig:
 _RING_SMEM = 208 * 1024
 
 
+@functools.lru_cache(maxsize=1024)    # called twice per launch; dataclasses.replace alone costs microseconds
 def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     """Ring depths for M and the number of fp32 [BN, EPI_N] arrays per epilogue slot (W, tensor states, dW when
     stored); None when even 2 GEMM stages and 2 slots do not fit.
