@@ -83,5 +83,9 @@ def test_fused_step_never_allocates_a_full_dw():
     # the step frees before dW is allocated (measured 0.89-0.95 x dW on 2-core CI machines), so 0.6 x dW
     # still proves the measurement sees a dW-sized tensor, well apart from the fused bound below.
     assert _peak_rss_growth(lambda: unfused(x)) >= 0.6 * dw_bytes, "the measurement must see dW when it exists"
-    assert _peak_rss_growth(lambda: fused(x)) < 0.25 * dw_bytes
+    # The fused step's own growth: the row-block temporaries of the rule (a few 1 MiB blocks) plus glibc heap
+    # growth over the 64 blocks: measured 0.05-0.37 x dW on the 2-core machines (median ~0.24, so the former
+    # 0.25 bound failed about every other run). A whole dW shows as >= 0.89 x dW (the unfused step above);
+    # 0.5 keeps both apart.
+    assert _peak_rss_growth(lambda: fused(x)) < 0.5 * dw_bytes
     assert cpu_block_rows(n, k) * k * 4 < 0.25 * dw_bytes
