@@ -10,6 +10,19 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (public-is
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
 
+OpOverload = torch._ops.OpOverload
+
+
+def op_schema(op):
+    """The FunctionSchema of an OpOverload (its argument alias annotations say what it writes)."""
+    return op._schema
+
+
+def op_overload_name(op) -> tuple[str, str]:
+    """(op name without namespace, overload name) of an OpOverload."""
+    return op._schema.name.split("::")[-1], op._overloadname
+
+
 def compile_fx(gm, example_inputs):
     """Inductor on a whole-step graph, outside Dynamo.
 

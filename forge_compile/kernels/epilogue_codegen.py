@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from .._compat import OpOverload, op_overload_name
 from ..optim.rule import Rule
 
 log = logging.getLogger(__name__)
@@ -183,8 +184,8 @@ _NOOP = {"_to_copy", "clone", "alias", "detach", "lift_fresh_copy", "to", "copy"
 
 
 def _opname(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1], target._overloadname
+    if isinstance(target, OpOverload):
+        return op_overload_name(target)
     return str(getattr(target, "__name__", target)), ""
 
 

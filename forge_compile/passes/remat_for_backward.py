@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .._compat import OpOverload, op_schema
+
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
@@ -41,7 +43,7 @@ _MAX_DEPTH = 8
 
 
 def _is_cheap(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     t = node.target
     if t in _VIEWS:
@@ -49,7 +51,7 @@ def _is_cheap(node: fx.Node) -> bool:
     if t in _CASTS:
         # a pure dtype change on the same device; anything else (device moves, layouts) is left alone
         return set(node.kwargs) <= {"dtype"} and len(node.args) <= 2
-    if t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
+    if op_schema(t).is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
         return False
     return torch.Tag.pointwise in t.tags
 
@@ -57,10 +59,10 @@ def _is_cheap(node: fx.Node) -> bool:
 def _written_args(node: fx.Node) -> list:
     """The nodes a mutating op writes to (schema alias annotations), empty for functional ops."""
     t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+    if node.op != "call_function" or not isinstance(t, OpOverload) or not op_schema(t).is_mutable:
         return []
     out = []
-    for i, a in enumerate(t._schema.arguments):
+    for i, a in enumerate(op_schema(t).arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
