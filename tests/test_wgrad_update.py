@@ -1,11 +1,12 @@
 """The fused op's CPU impl vs its plain-torch spec: exactness, and dW never allocated whole."""
 import os
+import sys
 
 import pytest
 import torch
 
 import forge_compile as forge
-from forge_compile.kernels.wgrad_update import cpu_block_rows, reference_wgrad_update, wgrad_update
+from forge_compile.kernels.wgrad_update import cpu_block_shape, reference_wgrad_update, wgrad_update
 
 
 def _adamw_rule():
@@ -21,9 +22,15 @@ def _adamw_args(n, k, m, dtype=torch.float32):
     return w, dy_t, x, states, hp
 
 
+@pytest.mark.parametrize("blocks", ["whole", "tiled"])
 @pytest.mark.parametrize("shape", [(67, 45, 31), (300, 70, 9), (4, 3, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_impl_is_bit_identical_to_rule_on_the_gradient_it_consumed(shape, dtype):
+def test_cpu_impl_is_bit_identical_to_rule_on_the_gradient_it_consumed(shape, dtype, blocks, monkeypatch):
+    if blocks == "tiled":   # ragged 2-D tiling of dW (16-row blocks split into 12-column pieces at 45 cols)
+        impl = sys.modules["forge_compile.kernels.wgrad_update"]   # the package attribute is the function
+        monkeypatch.setattr(impl, "_CPU_BLOCK_BYTES", 4 * 200)
+        monkeypatch.setattr(impl, "_CPU_BLOCK_MIN_ROWS", 16)
+        assert impl.cpu_block_shape(67, 45) == (16, 12)
     rule = _adamw_rule()
     w, dy_t, x, states, hp = _adamw_args(*shape, dtype=dtype)
     w2, states2 = w.clone(), [s.clone() for s in states]
@@ -88,4 +95,5 @@ def test_fused_step_never_allocates_a_full_dw():
     # 0.25 bound failed about every other run). A whole dW shows as >= 0.89 x dW (the unfused step above);
     # 0.5 keeps both apart.
     assert _peak_rss_growth(lambda: fused(x)) < 0.5 * dw_bytes
-    assert cpu_block_rows(n, k) * k * 4 < 0.25 * dw_bytes
+    rows, cols = cpu_block_shape(n, k)
+    assert rows * cols * 4 < 0.25 * dw_bytes

@@ -24,11 +24,15 @@ from ..optim.rule import get_rule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["wgrad_update", "reference_wgrad_update", "cpu_block_rows"]
+__all__ = ["wgrad_update", "reference_wgrad_update", "cpu_block_shape"]
 
-# Bytes of dW that one CPU row block may hold: small enough to stay in L2/L3 while the rule's
-# element-wise ops pass over it, large enough that each block's mm is efficient.
+# Bytes of dW that one CPU block may hold: small enough to stay in L2/L3 while the rule's element-wise ops
+# pass over it, large enough that each block's mm is efficient.
 _CPU_BLOCK_BYTES = 1 << 20
+# Rows of dW per block before the columns are split too: every row block's mm reads all of X (M x K), so
+# thin row blocks of a wide weight re-read X N/rows times (1 MiB blocks of a K=4096 weight are 64 rows: X read
+# 16 times for N=1024).
+_CPU_BLOCK_MIN_ROWS = 256
 
 
 def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
@@ -39,15 +43,19 @@ def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch
     return grad
 
 
-def cpu_block_rows(n_rows: int, n_cols: int) -> int:
-    return max(1, min(n_rows, _CPU_BLOCK_BYTES // (4 * max(1, n_cols))))
+def cpu_block_shape(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """(rows, cols) of the dW blocks the CPU impl builds one at a time (fp32, about _CPU_BLOCK_BYTES)."""
+    elems = _CPU_BLOCK_BYTES // 4
+    rows = max(1, min(n_rows, max(elems // max(1, n_cols), _CPU_BLOCK_MIN_ROWS)))
+    cols = max(1, min(n_cols, elems // rows))
+    return rows, cols
 
 
 def _wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None):
     rule = get_rule(rule_name)
     n, k = weight.shape
     xf = x if x.dtype == torch.float32 else x.float()
-    rows = cpu_block_rows(n, k)
+    rows, cols = cpu_block_shape(n, k)
     tensor_idx = [i for i in range(len(states)) if not rule.is_scalar_state(i)]
     scalar_idx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
     scalar_in = [states[i].clone() for i in scalar_idx]   # every block starts from the old scalars
@@ -55,20 +63,24 @@ def _wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None
     with torch.no_grad():
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            g = torch.mm(dy_t[r0:r1].float(), xf)
-            if grad_out is not None:
-                grad_out[r0:r1].copy_(g)
-            blk_states = list(states)
-            for i in tensor_idx:
-                blk_states[i] = states[i][r0:r1]
-            for j, i in enumerate(scalar_idx):
-                blk_states[i] = scalar_in[j]
-            out = rule.fn(weight[r0:r1], g, *blk_states, *hparams)
-            weight[r0:r1].copy_(out[0])
-            for i in tensor_idx:
-                states[i][r0:r1].copy_(out[1 + i])
-            if new_scalars is None:
-                new_scalars = [out[1 + i] for i in scalar_idx]
+            dy_blk = dy_t[r0:r1].float()
+            for c0 in range(0, k, cols):
+                c1 = min(k, c0 + cols)
+                blk = (slice(r0, r1), slice(c0, c1))
+                g = torch.mm(dy_blk, xf[:, c0:c1])
+                if grad_out is not None:
+                    grad_out[blk].copy_(g)
+                blk_states = list(states)
+                for i in tensor_idx:
+                    blk_states[i] = states[i][blk]
+                for j, i in enumerate(scalar_idx):
+                    blk_states[i] = scalar_in[j]
+                out = rule.fn(weight[blk], g, *blk_states, *hparams)
+                weight[blk].copy_(out[0])
+                for i in tensor_idx:
+                    states[i][blk].copy_(out[1 + i])
+                if new_scalars is None:
+                    new_scalars = [out[1 + i] for i in scalar_idx]
         for j, i in enumerate(scalar_idx):
             if new_scalars is not None:
                 states[i].copy_(new_scalars[j])
