@@ -161,8 +161,10 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
     for n in nodes:                # original order keeps the copies topologically sorted
         if n not in copy_at:
             continue
+        # an input's copy is used only if it comes first (an input kept alive for this copy may have been
+        # copied later, for a later backward use, and inserted after this one)
         with graph.inserting_before(nodes[copy_at[n]]):
-            c = graph.node_copy(n, lambda a: copies.get(a, a))
+            c = graph.node_copy(n, lambda a: copies[a] if a in copies and copy_at[a] <= copy_at[n] else a)
         c.meta = dict(n.meta)
         copies[n] = c
     for n, c in copies.items():
