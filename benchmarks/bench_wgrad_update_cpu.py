@@ -28,14 +28,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
-from forge_compile.optim import rules as R  # noqa: E402
+from forge_compile.optim.translate import hparam_values, plan_optimizer, prepare_states  # noqa: E402
 
 HP = {"adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01),
       "sgdm": dict(lr=1e-3, momentum=0.9)}
-
-
-def rule_of(kind):
-    return R.adamw_rule() if kind == "adamw" else R.sgd_rule(momentum=True)
 
 
 def make_opt(kind, p, foreach=None):
@@ -45,15 +41,12 @@ def make_opt(kind, p, foreach=None):
     return torch.optim.SGD([p], **HP[kind], **kw)
 
 
-def forge_args(kind, opt, p):
-    """States and hyper-parameters of ``opt`` for p, in the rule's order (as compile_train_step passes them)."""
-    rule = rule_of(kind)
-    st = opt.state[p]
-    states = [st[name] for name in rule.states]
-    h = HP[kind]
-    vals = ([h["lr"], *h["betas"], h["eps"], h["weight_decay"]] if kind == "adamw"
-            else [h["lr"], h["momentum"], 0.0])
-    return rule, states, [torch.tensor(v, dtype=torch.float64) for v in vals]
+def forge_args(opt):
+    """The rule, states and hyper-parameters of ``opt``'s single parameter, translated as compile_train_step
+    translates an optimizer (forge_compile.optim.translate)."""
+    plan = plan_optimizer(opt)[0]
+    states = prepare_states(opt, plan)
+    return plan.rule, states, [torch.tensor(v, dtype=torch.float64) for v in hparam_values(opt, plan)]
 
 
 def median_ms(fn, reps, warmup=2):
@@ -88,7 +81,7 @@ def run_case(kind, act, n, k, m, reps):
     before = pe.detach().clone()
     pe.grad = dy_t.float() @ x.float()
     oe.step()
-    rule, states, hp = forge_args(kind, of, pf)
+    rule, states, hp = forge_args(of)
     with torch.no_grad():
         torch.ops.forge.wgrad_update_(pf.data, dy_t, x, states, hp, rule.name)
     upd = (pe.detach() - before).abs().max().item()
@@ -107,7 +100,7 @@ def run_case(kind, act, n, k, m, reps):
             opt.step()
         rows[label] = median_ms(unfused, reps)
     p, opt = fresh()
-    rule, states, hp = forge_args(kind, opt, p)
+    rule, states, hp = forge_args(opt)
     op = torch.ops.forge.wgrad_update_.default
     with torch.no_grad():
         rows["forge"] = median_ms(lambda: op(p.data, dy_t, x, states, hp, rule.name), reps)
