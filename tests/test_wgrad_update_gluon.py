@@ -272,7 +272,7 @@ def test_op_path_uses_gluon(monkeypatch):
     monkeypatch.setattr(wg, "launch", spy)
     w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
     w_ref, st_ref = w.clone(), [s.clone() for s in st]
-    for mode, expect in (("gluon", 1), ("triton", 0), ("auto", 1 if wg.AUTO_GLUON and not wg._auto_slow(rule) else 0)):
+    for mode, expect in (("gluon", 1), ("triton", 0), ("auto", 1 if wg.AUTO_GLUON and not wg._auto_keeps_triton(rule) else 0)):
         monkeypatch.setenv(wg.ENV, mode)
         calls.clear()
         w1, st1 = w.clone(), [s.clone() for s in st]

@@ -484,7 +484,7 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
         return f"{ENV}=triton"
     if mode == "auto" and not AUTO_GLUON:
         return "auto picks the Triton kernel"
-    if mode == "auto" and _auto_slow(rule):
+    if mode == "auto" and _auto_keeps_triton(rule):
         return "auto: libdevice math in the rule's epilogue, not measured through Gluon (Triton kernel)"
     if rule.name in _BROKEN:
         return _BROKEN[rule.name]
@@ -520,7 +520,7 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
     return None
 
 
-def _auto_slow(rule: Rule) -> bool:
+def _auto_keeps_triton(rule: Rule) -> bool:
     ep = _source_for(rule)[0]
     return ep is None or any(op in ep.body for op in _AUTO_TRITON_OPS)
 
