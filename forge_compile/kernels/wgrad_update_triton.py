@@ -497,12 +497,25 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
     """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
 
     On sm_90 the launch may go to the Gluon kernel (wgrad_update_gluon.use_gluon; FORGE_WGRAD_KERNEL=auto|gluon|
-    triton); a ``config`` names a Triton config and keeps it on this kernel."""
+    triton); a ``config`` names a Triton config and keeps it on this kernel. A launch whose tensors (pointers,
+    shapes, strides, dtypes) repeat an earlier one's reuses its prepared launch (launch_memo)."""
+    memo_key = None
     if config is None and weight.is_cuda:
         # imported here: the Gluon module is only needed (and gluon only imported) on a CUDA launch
-        from .wgrad_update_gluon import try_launch
+        from . import launch_memo
+        from . import wgrad_update_gluon as wg
 
-        if try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
+        if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
+            # the kind: everything of the kernel choice that is not in the tensors' properties
+            kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN)
+            memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, states, grad_out)
+            if launch_memo.lookup(memo_key, states, hparams):
+                return
+        if wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
+            if memo_key is not None:
+                launch_memo.remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule,
+                                                                          grad_out),
+                                     wg._source_for(rule)[0], states, hparams, _scalar_idx(rule, states))
             return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, grad_out, config)
@@ -511,6 +524,13 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
+    if memo_key is not None:
+        launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out, None),
+                             _kernel_for(rule, "cuda")[0], states, hparams, _scalar_idx(rule, states))
+
+
+def _scalar_idx(rule: Rule, states) -> list[int]:
+    return [i for i in range(len(states)) if rule.is_scalar_state(i)]
 
 
 def triton_cdiv(a: int, b: int) -> int:

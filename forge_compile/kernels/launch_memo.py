@@ -1,0 +1,186 @@
+"""Host fast path for repeated launches of the fused wgrad+update kernels.
+
+Why: a training step calls ``forge::wgrad_update_`` once per linear layer, and at fine-tuning batch sizes the
+forge routes were host-bound (benchmarks/RESULTS.md, end to end): every launch re-checked its arguments, built up
+to five TMA descriptors and went through Triton's JIT dispatch (argument binding and specialization, ~37 us per
+launch on the H200 host before any of our own checks). Step after step the same layer launches with the same
+weight and states, and -- in a compiled graph whose allocations repeat -- the same activation buffers. A launch
+whose arguments match an earlier one exactly (data pointer, shape, strides and dtype of every tensor, the rule,
+the kernel selection mode) is determined by them: the kernel, grid and argument list are the same, only the host
+scalars (bias corrections, lr, ... from the step counter and hyper-parameters) change. Such a launch reuses the
+compiled kernel's launcher with that argument list.
+
+What is kept: integers (data pointers) in place of tensors, never the tensors themselves -- holding activations
+would keep their memory alive -- and copies of the TMA descriptors whose ``base`` is a pointer holder (the
+launcher reads only ``base.data_ptr()``, shape and strides from a descriptor). A key is remembered on its second
+sighting, so launches whose buffers never repeat pay one dict lookup and no extra preparation.
+
+Triton API used (public or documented-by-use, not private names): ``JITFunction.warmup`` (compile without
+launching), ``JITFunction.arg_names``, ``CompiledKernel[grid](*args)`` (the launcher; it takes every parameter,
+constexprs included, as ``JITFunction.run`` passes them). Any failure building an entry leaves that key on the
+full path; a failure of a remembered launch disables the fast path for the process (logged) before anything ran.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED"]
+
+# Switch for tests/benchmarks (and a kill switch: set False after an unexpected launcher failure).
+ENABLED = [True]
+_CAPACITY = 512
+_LOCK = threading.Lock()
+_ENTRIES: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
+_SEEN: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+counters: collections.Counter = collections.Counter()
+
+
+class _Ptr:
+    """Stands in for a tensor in a remembered argument list: the launcher calls ``data_ptr()`` only."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@dataclasses.dataclass
+class _Entry:
+    run: Callable[..., Any]      # CompiledKernel[grid]
+    head: tuple                  # arguments before the scalars
+    tail: tuple                  # arguments after them
+    n_scalars: int
+    ep: Any                      # the rule's Epilogue (host_scalars needs it)
+    scalar_idx: tuple[int, ...]  # positions of the scalar states in ``states``
+    rule: Any                    # kept so that id(rule) in the key is never reused while the entry lives
+
+
+def _tkey(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def launch_key(kind, rule, weight, dy_t, x, states, grad_out) -> tuple:
+    """Everything a launch's kernel, grid and non-scalar arguments depend on (``kind`` names the kernel choice,
+    e.g. the selection mode, so that changing FORGE_WGRAD_KERNEL never reuses another kernel's entry)."""
+    return (kind, id(rule), weight.device.index, _tkey(weight), _tkey(dy_t), _tkey(x),
+            tuple(_tkey(s) if s.dim() else None for s in states), _tkey(grad_out))
+
+
+def lookup(key: tuple, states, hparams) -> bool:
+    """Launch through a remembered entry; False (nothing done) when there is none."""
+    if not ENABLED[0]:
+        return False
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        counters["miss"] += 1
+        return False
+    from .wgrad_update_triton import host_scalars
+
+    scalar_states = [states[i] for i in entry.scalar_idx]
+    scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
+    try:
+        entry.run(*entry.head, *scalars, *entry.tail)
+    except Exception as e:  # the launcher raises before launching (argument conversion): full path from now on
+        ENABLED[0] = False
+        log.warning("forge: fast launch path failed (%s: %s); using the full launch path from now on",
+                    type(e).__name__, str(e)[:300])
+        return False
+    with torch.no_grad():
+        for s, new in zip(scalar_states, new_scalar_states):
+            s.fill_(new)
+    counters["hit"] += 1
+    return True
+
+
+def _strip(a):
+    # tensors -> pointer holders; descriptors (dataclasses with a tensor ``base``) -> copies with a holder base
+    if isinstance(a, torch.Tensor):
+        return _Ptr(a.data_ptr())
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor) and dataclasses.is_dataclass(a):
+        d = copy.copy(a)
+        d.base = _Ptr(base.data_ptr())
+        return d
+    return a
+
+
+def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams, scalar_idx) -> None:
+    """After a successful full launch under ``key``: on the key's second sighting build its entry.
+
+    ``prepare()`` returns the full path's ``(kernel, grid, args, opts, ...)`` for the same arguments (it has no
+    side effects). The host scalars sit in ``args`` as one run; they are found by identity: host_scalars returns
+    the same list object for the same scalar-state and hyper-parameter values, so the list computed here is the
+    one ``prepare()`` places (not memoized -- CUDA scalar states -- means not found: the key stays on the full
+    path)."""
+    if not ENABLED[0] or key in _ENTRIES:
+        return
+    if key not in _SEEN:
+        with _LOCK:
+            _SEEN[key] = None
+            if len(_SEEN) > 4 * _CAPACITY:
+                _SEEN.popitem(last=False)
+        return
+    from .wgrad_update_triton import host_scalars
+
+    try:
+        scalars = host_scalars(ep, [states[i] for i in scalar_idx], hparams)[0]
+        kernel, grid, args, opts = prepare()[:4]
+        pos = _scalar_pos(args, scalars)
+        if pos is None:
+            counters["unsupported"] += 1
+            log.debug("forge: fast launch: scalars not found in the argument list; key left on the full path")
+            return
+        names = list(kernel.arg_names)
+        full = list(args)
+        for name in names[len(args):]:
+            if name not in opts:
+                counters["unsupported"] += 1
+                return
+            full.append(opts[name])
+        compiled = kernel.warmup(*args, grid=grid, **opts)
+        if hasattr(compiled, "result"):   # an asynchronous compile's future
+            compiled = compiled.result()
+        run = compiled[grid]
+    except Exception as e:  # never fatal: this key keeps the full path
+        counters["unsupported"] += 1
+        log.debug("forge: fast launch entry not built: %s: %s", type(e).__name__, e)
+        return
+    stripped = [_strip(a) for a in full]
+    entry = _Entry(run=run, head=tuple(stripped[:pos]), tail=tuple(stripped[pos + len(scalars):]),
+                   n_scalars=len(scalars), ep=ep, scalar_idx=tuple(scalar_idx), rule=rule)
+    with _LOCK:
+        _ENTRIES[key] = entry
+        if len(_ENTRIES) > _CAPACITY:
+            _ENTRIES.popitem(last=False)
+    counters["built"] += 1
+
+
+def _scalar_pos(args, scalars) -> int | None:
+    n = len(scalars)
+    if n == 0:
+        return len(args)   # a rule without host scalars: nothing to splice (tail empty after this position)
+    for i in range(len(args) - n + 1):
+        if all(args[i + j] is scalars[j] for j in range(n)):
+            return i
+    return None
+
+
+def clear() -> None:
+    with _LOCK:
+        _ENTRIES.clear()
+        _SEEN.clear()
+    counters.clear()

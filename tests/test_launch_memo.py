@@ -1,0 +1,212 @@
+"""launch_memo: the host fast path for repeated fused launches.
+
+CPU: a fake Triton kernel records what the launcher would receive (argument order with the constexprs, scalars
+spliced where the full path put them, tensors replaced by pointer holders that keep nothing alive). GPU: repeated
+launches through the op on the same buffers, new contents each step, stay bit-exact with the unfused reference
+and do take the fast path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+
+from forge_compile.kernels import launch_memo as lm
+from forge_compile.kernels.epilogue_codegen import compile_epilogue
+from forge_compile.kernels.wgrad_update import wgrad_update
+from forge_compile.kernels.wgrad_update_triton import host_scalars
+from forge_compile.optim import rules as R
+from forge_compile.optim.rule import register_rule
+
+
+@pytest.fixture(autouse=True)
+def fresh_memo():
+    lm.clear()
+    lm.ENABLED[0] = True
+    yield
+    lm.clear()
+    lm.ENABLED[0] = True
+
+
+@dataclasses.dataclass
+class FakeDesc:   # the fields of a Triton/Gluon TensorDescriptor the launcher reads
+    base: object
+    shape: list
+    strides: list
+
+
+class FakeKernel:
+    arg_names: list = []   # set per test: the rule decides how many scalar parameters there are
+
+    def __init__(self):
+        self.launched = []
+        self.warmups = 0
+
+    def warmup(self, *args, grid, **opts):
+        self.warmups += 1
+        kernel = self
+
+        class Compiled:
+            def __getitem__(self, g):
+                assert g == grid
+                return lambda *a: kernel.launched.append(a)
+
+        return Compiled()
+
+
+def _setup():
+    rule = R.adamw_rule()
+    ep = compile_epilogue(rule)
+    w = torch.randn(8, 4)
+    m, v = torch.zeros(8, 4), torch.zeros(8, 4)
+    step = torch.tensor(3.0)
+    states = [step, m, v] if rule.is_scalar_state(0) else [m, v, step]
+    sidx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
+    assert rule.hparams == ("lr", "beta1", "beta2", "eps", "weight_decay")
+    hp = [torch.tensor(x, dtype=torch.float64) for x in (1e-3, 0.9, 0.999, 1e-8, 0.01)]
+    return rule, ep, w, states, sidx, hp
+
+
+def _prepare_fn(kernel, w, x, ep, states, sidx, hp):
+    def prepare():
+        scalars = host_scalars(ep, [states[i] for i in sidx], hp)[0]
+        args = (FakeDesc(w, list(w.shape), list(w.stride())), x, *scalars, x.shape[0])
+        return kernel, (3,), args, dict(BLOCK=64, num_warps=4)
+    return prepare
+
+
+def test_fake_launch_order_scalars_and_no_references():
+    rule, ep, w, states, sidx, hp = _setup()
+    kernel = FakeKernel()
+    x = torch.randn(5, 4)
+    key = lm.launch_key("k", rule, w, x.t(), x, states, None)
+    prep = _prepare_fn(kernel, w, x, ep, states, sidx, hp)
+    # the fake's scalar slots: exactly as many as the rule's host scalars
+    n_scalars = len(host_scalars(ep, [states[i] for i in sidx], hp)[0])
+    FakeKernel.arg_names = ["w_desc", "x", *[f"s{i}" for i in range(n_scalars)], "M", "BLOCK"]
+
+    lm.remember(key, rule, prep, ep, states, hp, sidx)          # first sighting: nothing built
+    assert not lm.lookup(key, states, hp) and kernel.warmups == 0
+    lm.remember(key, rule, prep, ep, states, hp, sidx)          # second: entry
+    assert kernel.warmups == 1 and lm.counters["built"] == 1
+
+    expect_scalars = host_scalars(ep, [states[i] for i in sidx], hp)[0]
+    step_before = states[sidx[0]].item()
+    assert lm.lookup(key, states, hp)
+    (got,) = kernel.launched
+    assert got[0].base.data_ptr() == w.data_ptr() and not isinstance(got[0].base, torch.Tensor)
+    assert got[0].shape == list(w.shape)
+    assert got[1].data_ptr() == x.data_ptr() and not isinstance(got[1], torch.Tensor)
+    assert list(got[2:2 + n_scalars]) == list(expect_scalars)
+    assert got[2 + n_scalars:] == (5, 64)     # then M, then the constexpr BLOCK from the options
+    assert states[sidx[0]].item() == step_before + 1   # the step advanced once, after the launch
+
+    # the next step's scalars differ (bias corrections follow the step): spliced fresh, nothing else changes
+    assert lm.lookup(key, states, hp)
+    assert list(kernel.launched[1][2:2 + n_scalars]) == list(host_scalars(
+        ep, [torch.tensor(step_before + 1)], hp)[0])
+
+    # the entry keeps no tensor alive (activations would otherwise never be freed)
+    ref = weakref.ref(x)
+    del x, prep
+    gc.collect()
+    assert ref() is None
+
+
+def test_key_follows_pointer_shape_stride_dtype_and_kind():
+    rule, ep, w, states, sidx, hp = _setup()
+    x = torch.randn(6, 4)
+    base = lm.launch_key("a", rule, w, x.t(), x, states, None)
+    assert base == lm.launch_key("a", rule, w, x.t(), x, states, None)
+    assert base != lm.launch_key("b", rule, w, x.t(), x, states, None)
+    assert base != lm.launch_key("a", rule, w, x.t(), x.clone(), states, None)            # pointer
+    assert base != lm.launch_key("a", rule, w, x[:5].t(), x[:5], states, None)            # shape
+    xt = x.t().contiguous().t()
+    assert base != lm.launch_key("a", rule, w, x.t(), xt, states, None)                   # strides
+    assert base != lm.launch_key("a", rule, w, x.t(), x.to(torch.bfloat16), states, None)  # dtype
+    assert base != lm.launch_key("a", R.adam_rule(), w, x.t(), x, states, None)           # rule
+
+
+def test_scalars_not_found_leaves_the_full_path():
+    rule, ep, w, states, sidx, hp = _setup()
+    kernel = FakeKernel()
+    x = torch.randn(5, 4)
+
+    def prepare():   # copies of the scalars, not the memoized objects: no position can be proven
+        scalars = host_scalars(ep, [states[i] for i in sidx], hp)[0]
+        return kernel, (1,), (x, *[torch.tensor(s, dtype=torch.float64).item() for s in scalars]), {}
+
+    key = lm.launch_key("k", rule, w, x.t(), x, states, None)
+    lm.remember(key, rule, prepare, ep, states, hp, sidx)
+    lm.remember(key, rule, prepare, ep, states, hp, sidx)
+    assert lm.counters["unsupported"] == 1 and not lm.lookup(key, states, hp)
+
+
+def test_failing_launcher_disables_fast_path():
+    rule, ep, w, states, sidx, hp = _setup()
+    x = torch.randn(5, 4)
+    n_scalars = len(host_scalars(ep, [states[i] for i in sidx], hp)[0])
+
+    class Boom(FakeKernel):
+        arg_names = ["w_desc", "x", *[f"s{i}" for i in range(n_scalars)], "M", "BLOCK"]
+
+        def warmup(self, *args, grid, **opts):
+            class Compiled:
+                def __getitem__(self, g):
+                    def run(*a):
+                        raise TypeError("argument conversion")
+                    return run
+            return Compiled()
+
+    kernel = Boom()
+    prep = _prepare_fn(kernel, w, x, ep, states, sidx, hp)
+    key = lm.launch_key("k", rule, w, x.t(), x, states, None)
+    lm.remember(key, rule, prep, ep, states, hp, sidx)
+    lm.remember(key, rule, prep, ep, states, hp, sidx)
+    step_before = states[sidx[0]].item()
+    assert not lm.lookup(key, states, hp)
+    assert not lm.ENABLED[0]
+    assert states[sidx[0]].item() == step_before      # nothing advanced: the caller's full path runs the step
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["auto", "triton"])
+@pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
+def test_repeated_launches_exact(monkeypatch, mode, name):
+    # one layer, five steps on the same buffers (new contents each step): the third step on takes the fast path,
+    # every step bit-exact against the unfused reference from the same state
+    monkeypatch.setenv("FORGE_WGRAD_KERNEL", mode)
+    rule = register_rule({"adamw": R.adamw_rule, "sgdm": lambda: R.sgd_rule(momentum=True),
+                          "lion": R.lion_rule}[name]())
+    n, k, m = 512, 384, 200
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen)
+    states = []
+    for i, _ in enumerate(rule.states):
+        states.append(torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(n, k, device="cuda", generator=gen) * 0.1)
+    values = dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, momentum=0.9, dampening=0.0)
+    hp = [torch.tensor(values[h], dtype=torch.float64) for h in rule.hparams]
+    dy = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    grad = torch.empty(n, k, device="cuda")
+    for step in range(5):
+        dy.copy_(torch.randn(m, n, device="cuda", generator=gen))
+        x.copy_(torch.randn(m, k, device="cuda", generator=gen))
+        w_ref, st_ref = w.clone(), [s.clone() for s in states]
+        grad.fill_(float("nan"))   # poisoned: the kernel writes the dW it consumed into it
+        wgrad_update(w, dy.t(), x, states, hp, rule.name, grad_out=grad)
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            rule.apply(w_ref, grad, st_ref, hp)
+        assert torch.equal(w, w_ref), f"step {step}: W differs in {(w != w_ref).sum().item()} elements"
+        for s, e in zip(states, st_ref):
+            assert torch.equal(s.cpu(), e.cpu()), f"step {step}: a state differs"
+    assert lm.counters["built"] == 1 and lm.counters["hit"] == 3, dict(lm.counters)
