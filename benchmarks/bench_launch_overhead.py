@@ -5,8 +5,10 @@
 A tiny shape (256x256 AdamW, 64 bf16 tokens) keeps the kernel itself at a few microseconds, so the time of
 a call with no synchronization inside the loop is the host's: the CPU enqueues faster than the GPU drains
 only while the host part is the slower one. Rows, each adding one layer above the previous:
-  kernel  - the Triton launch alone (``bound_launch``: host part done once)
-  launch  - ``launch_wgrad_update``: checks, memoized host scalars, config, launch, scalar-state update
+  kernel  - the Triton launch alone (``bound_launch``: host part done once); kernel_gluon: the same for the
+            Gluon kernel where ``launch`` picks it
+  launch  - ``launch_wgrad_update``: checks, memoized host scalars, config, launch, scalar-state update; the
+            same tensors every call, so after two calls launch_memo's fast path (``launch_full``: with it off)
   op      - ``torch.ops.forge.wgrad_update_`` (what Inductor's compiled backward calls): dispatcher + impl
 and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
 Results: stdout and DIR/launch_overhead.json.
@@ -26,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import forge_compile  # noqa: E402,F401  (registers forge::wgrad_update_)
 from forge_compile.kernels.wgrad_update import wgrad_update  # noqa: E402
+from forge_compile.kernels import launch_memo  # noqa: E402
+from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from bench_wgrad_update import make_inputs, make_unfused  # noqa: E402  (this folder)
 
@@ -63,8 +67,17 @@ def main():
 
     kern = wt.bound_launch(w, dy_t, x, states, hp, rule)
     op = torch.ops.forge.wgrad_update_.default
+    if wg.use_gluon(w, dy_t, x, states, rule):   # what launch_wgrad_update picks here (auto on sm_90)
+        rows0 = {"kernel_gluon": per_call_us(wg.bound_launch(w, dy_t, x, states, hp, rule), a.calls, lambda: None)}
+    else:
+        rows0 = {}
+    launch_memo.ENABLED[0] = False
+    full = per_call_us(lambda: wt.launch_wgrad_update(w, dy_t, x, states, hp, rule), a.calls, reset)
+    launch_memo.ENABLED[0] = True
     rows = {
         "kernel": per_call_us(kern, a.calls, lambda: None),
+        **rows0,
+        "launch_full": full,
         "launch": per_call_us(lambda: wt.launch_wgrad_update(w, dy_t, x, states, hp, rule), a.calls, reset),
         "wgrad_update": per_call_us(lambda: wgrad_update(w, dy_t, x, states, hp, rule.name), a.calls, reset),
         "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset),
@@ -74,9 +87,11 @@ def main():
     import triton
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "shape": f"{n}x{k}, M={m}, bf16 activations, AdamW", "us_per_call": rows}
+            "shape": f"{n}x{k}, M={m}, bf16 activations, AdamW", "us_per_call": rows,
+            "launch_memo": dict(launch_memo.counters)}
     for name, us in rows.items():
         print(f"{name:14s} {us:8.1f} us/call")
+    print(f"launch_memo counters {dict(launch_memo.counters)}")
     with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
