@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# One device-tool call: tests on the H200 (pytest-xdist, on the image, runs them in TEST_PROCS processes), then
-# the kernel benchmark (its own correctness checks first). With .whl carried (expecttest wheel) the default is
-# the whole suite, without it the two kernel test files; TESTS=... overrides.
-# Usage (device tool): bash benchmarks/gpu_session.sh   [BENCH_ARGS="--cases all --short a,b"]
+# One device-tool call (the H200 is lent for <= 10 min per call and each call restarts it): tests, then the
+# benchmarks, each stage under its own timeout, everything written under $OUT.
+#   TESTS=...          pytest targets (default: whole suite with .whl carried -- the expecttest wheel --, else the
+#                      kernel test files); TEST_TIMEOUT, TEST_PROCS, TEST_ARGS
+#   LAUNCH=1           bench_launch_overhead.py (host us per fused launch)
+#   BENCH_ARGS=...     bench_wgrad_update.py arguments (default "--cases final"); BENCH=0 skips it; BENCH_TIMEOUT
+#   E2E_ARGS=...       bench_train_step.py arguments (stage skipped when unset); E2E_TIMEOUT
+#   PROFILE_ARGS=...   profile_train_step.py arguments (stage skipped when unset); PROFILE_TIMEOUT
+# Usage (device tool, carry [".whl"]): TESTS="tests/test_x.py" LAUNCH=1 bash benchmarks/gpu_session.sh
 set -u
 DEFAULT_TESTS="tests/test_wgrad_update_triton.py tests/test_wgrad_update.py"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -10,10 +15,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   DEFAULT_TESTS=tests
 fi
 export PYTHONUNBUFFERED=1 FORGE_RESULTS=$OUT TRITON_CACHE_DIR=/tmp/triton_cache FORGE_KERNEL_CACHE=/tmp/forge_kernels
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider -n ${TEST_PROCS:-12} \
-  ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
-echo "pytest rc=$?"; tail -5 $OUT/pytest.log; grep -E "FAILED|Error" $OUT/pytest.log | head -20
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_wgrad_update.py --out $OUT ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
-echo "bench rc=$?"; grep -E "FAILED|failed|Error" $OUT/bench.log | head -20; sed -n '/^ rule/,$p' $OUT/bench.log
+if [ "${TESTS:-x}" != "0" ]; then
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-12} \
+    ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
+  stamp "pytest rc=$?"; tail -3 $OUT/pytest.log; grep -E "^FAILED|^ERROR" $OUT/pytest.log | head -20
+fi
+if [ "${LAUNCH:-0}" = "1" ]; then
+  timeout 120 python3 benchmarks/bench_launch_overhead.py --out $OUT > $OUT/launch.log 2>&1
+  stamp "launch rc=$?"; cat $OUT/launch.log | tail -12
+fi
+if [ "${BENCH:-1}" = "1" ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_wgrad_update.py --out $OUT ${BENCH_ARGS:---cases final} > $OUT/bench.log 2>&1
+  stamp "bench rc=$?"; grep -E "FAILED|failed|Error" $OUT/bench.log | head -20; sed -n '/^ rule/,$p' $OUT/bench.log
+fi
+if [ -n "${E2E_ARGS:-}" ]; then
+  timeout ${E2E_TIMEOUT:-300} python3 benchmarks/bench_train_step.py --out /tmp/e2e ${E2E_ARGS} > $OUT/e2e.log 2>&1
+  stamp "e2e rc=$?"; cp /tmp/e2e/results.md /tmp/e2e/results.json $OUT/ 2>/dev/null
+  sed -n '/^| route  *| mb | tokens/,$p' /tmp/e2e/results.md
+fi
+if [ -n "${PROFILE_ARGS:-}" ]; then
+  timeout ${PROFILE_TIMEOUT:-120} python3 benchmarks/profile_train_step.py --out $OUT ${PROFILE_ARGS} > $OUT/profile.log 2>&1
+  stamp "profile rc=$?"; cat $OUT/profile.log | tail -12
+fi
