@@ -497,24 +497,36 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
     """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
 
     On sm_90 the launch may go to the Gluon kernel (wgrad_update_gluon.use_gluon; FORGE_WGRAD_KERNEL=auto|gluon|
-    triton); a ``config`` names a Triton config and keeps it on this kernel. A launch whose tensors (pointers,
-    shapes, strides, dtypes) repeat an earlier one's reuses its prepared launch (launch_memo)."""
+    triton); a ``config`` names a Triton config and keeps it on this kernel. With FORGE_AUTOTUNE=1 the kernel and
+    its config are the tuned choice for the shape and token-count bucket (wgrad_update_autotune). A launch whose
+    tensors (pointers, shapes, strides, dtypes) repeat an earlier one's reuses its prepared launch (launch_memo)."""
     memo_key = None
     if config is None and weight.is_cuda:
         # imported here: the Gluon module is only needed (and gluon only imported) on a CUDA launch
         from . import launch_memo
+        from . import wgrad_update_autotune as autotune
         from . import wgrad_update_gluon as wg
 
+        tuned = autotune.enabled()
         if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
             # the kind: everything of the kernel choice that is not in the tensors' properties
-            kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN)
+            kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned)
             memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, states, grad_out)
             if launch_memo.lookup(memo_key, states, hparams):
                 return
-        if wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
+        choice = autotune.choose(weight, dy_t, x, states, hparams, rule, grad_out) if tuned else None
+        if choice is not None and choice.family == "gluon":
+            gcfg = choice.config
+            wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg)
+        elif choice is None and wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
+            gcfg = None
+        else:
+            gcfg = False
+            config = None if choice is None else choice.config
+        if gcfg is not False:
             if memo_key is not None:
                 launch_memo.remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule,
-                                                                          grad_out),
+                                                                          grad_out, config=gcfg),
                                      wg._source_for(rule)[0], states, hparams, _scalar_idx(rule, states))
             return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
@@ -525,8 +537,18 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
     if memo_key is not None:
-        launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out, None),
+        launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out,
+                                                              config),
                              _kernel_for(rule, "cuda")[0], states, hparams, _scalar_idx(rule, states))
+
+
+def tune_candidates(n: int, k: int, m: int, upcast: bool) -> list[str]:
+    """Configs worth timing for a launch (wgrad_update_autotune): the table's pick first, then the other winners
+    of the H200 sweeps (benchmarks/RESULTS.md runs 4-5; the losers of those sweeps are not worth compiling)."""
+    if upcast:
+        return ["tf64m32"]
+    names = [pick_config(n, k, m, False), "l64x256e4p2", "l64x256e4", "t128e4", "t64x128"]
+    return list(dict.fromkeys(names))
 
 
 def _scalar_idx(rule: Rule, states) -> list[int]:

@@ -1,0 +1,251 @@
+"""Autotuning of the fused wgrad+update kernel, keyed on the weight shape and the token-count bucket.
+
+The default configurations (``pick_config``, ``pick_gconfig``) are tables from H200 sweeps; another GPU, shape or
+rule may want another one. With ``FORGE_AUTOTUNE=1`` the first launch of each key -- (rule, N, K, bucket of M,
+activation dtype, stored dW or not, device, triton version) -- times every candidate configuration of the
+kernels that may run it (the Gluon kernel where ``use_gluon`` allows it, the Triton kernel's configs) and keeps
+the fastest; later launches of the key take it without timing. M enters as its power-of-two bucket and the
+step counter and hyper-parameters are tensors read on the host (``host_scalars``), so a new batch size within a
+bucket, a new step or a new learning rate never re-tunes. Choices persist in a JSON file
+(``FORGE_AUTOTUNE_CACHE``, default ``<kernel cache>/autotune.json``), so a new process does not re-tune either.
+
+Tuning never touches the real parameter or its states: candidates run on scratch copies (of at most
+``FORGE_AUTOTUNE_MIB`` MiB, default 1024: a taller weight is tuned on its first rows, which have the same
+per-tile work; the persistent Gluon grid then sees fewer tiles per SM than the real launch) with the real
+activations (read only). Off by default: tuning costs the first step a few hundred milliseconds per new key and
+that scratch memory, and every candidate is exact (the epilogue math is the same in all of them), so the choice
+changes speed only.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..optim.rule import Rule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ENV", "enabled", "m_bucket", "tune_key", "choose", "Choice", "clear", "counters"]
+
+ENV = "FORGE_AUTOTUNE"
+counters: collections.Counter = collections.Counter()
+_LOCK = threading.Lock()
+_TABLE: dict[str, "Choice"] = {}
+_LOADED: list[str] = []    # the cache file the table was loaded from
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    family: str      # "gluon" | "triton"
+    config: Any      # a GConfig (gluon) or a CONFIGS name (triton)
+    ms: float = float("nan")   # its measured time at tuning (information only)
+
+    def to_json(self) -> dict:
+        cfg = dataclasses.asdict(self.config) if self.family == "gluon" else self.config
+        return {"family": self.family, "config": cfg, "ms": self.ms}
+
+    @staticmethod
+    def from_json(d: dict) -> "Choice":
+        if d["family"] == "gluon":
+            from .wgrad_update_gluon import GConfig
+
+            return Choice("gluon", GConfig(**d["config"]), d.get("ms", float("nan")))
+        return Choice("triton", str(d["config"]), d.get("ms", float("nan")))
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def m_bucket(m: int) -> int:
+    """Next power of two >= m (at least 64): launches of one bucket share a choice."""
+    b = 64
+    while b < m:
+        b *= 2
+    return b
+
+
+def tune_key(rule: Rule, weight, dy_t, x, states, grad_out) -> str:
+    import triton
+
+    n, k = weight.shape
+    n_ts = sum(1 for i in range(len(states)) if not rule.is_scalar_state(i))
+    dev = torch.cuda.get_device_name(weight.device) if weight.is_cuda else str(weight.device)
+    return "|".join(map(str, (rule.name, n, k, m_bucket(x.shape[0]), str(dy_t.dtype), str(x.dtype), n_ts,
+                              grad_out is not None, dev, triton.__version__)))
+
+
+def _cache_file() -> str:
+    f = os.environ.get("FORGE_AUTOTUNE_CACHE")
+    if f:
+        return f
+    from .epilogue_codegen import _cache_dir
+
+    return os.path.join(_cache_dir(), "autotune.json")
+
+
+def _load() -> None:
+    path = _cache_file()
+    if _LOADED and _LOADED[0] == path:
+        return
+    table = {}
+    try:
+        with open(path) as fh:
+            for key, d in json.load(fh).items():
+                table[key] = Choice.from_json(d)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a corrupt or foreign file: re-tune rather than fail the step
+        log.warning("forge: autotune cache %s unreadable (%s: %s); tuning afresh", path, type(e).__name__, e)
+    with _LOCK:
+        _TABLE.update(table)
+        _LOADED[:] = [path]
+
+
+def _save() -> None:
+    path = _cache_file()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with _LOCK:
+            data = {k: c.to_json() for k, c in _TABLE.items()}
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache dir only costs re-tuning in the next process
+        log.warning("forge: autotune cache %s not written: %s", path, e)
+
+
+def clear(memory_only: bool = False) -> None:
+    with _LOCK:
+        _TABLE.clear()
+        _LOADED.clear()
+    counters.clear()
+    if not memory_only:
+        try:
+            os.remove(_cache_file())
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# candidates and timing
+
+
+def candidates(rule: Rule, weight, dy_t, x, states, grad_out) -> list[Choice]:
+    from . import wgrad_update_gluon as wg
+    from . import wgrad_update_triton as wt
+
+    n, k = weight.shape
+    m = x.shape[0]
+    out = []
+    if wg.use_gluon(weight, dy_t, x, states, rule, grad_out):
+        n_arrays = 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
+        gen = getattr(wg, "gconfig_candidates", None)
+        cfgs = gen(m, n_arrays, x.element_size()) if gen else [wg.pick_gconfig(m, n_arrays, x.element_size())]
+        out += [Choice("gluon", c) for c in cfgs if c is not None]
+    upcast = dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
+    names = wt.tune_candidates(n, k, m, upcast)
+    # beside the Gluon kernel only the Triton table's own pick: the other configs lost to both at every point
+    # measured (RESULTS.md runs 6-7) and each costs a compile at tuning
+    out += [Choice("triton", name) for name in (names[:1] if out else names)]
+    return out
+
+
+def _scratch_rows(rule: Rule, weight, states, grad_out) -> int:
+    n, k = weight.shape
+    n_arrays = 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
+    cap = int(float(os.environ.get("FORGE_AUTOTUNE_MIB", "1024")) * 2**20)
+    rows = cap // max(1, n_arrays * k * 4)
+    if rows >= n:
+        return n
+    return max(128, rows // 128 * 128)
+
+
+def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, grad_out) -> None:
+    if choice.family == "gluon":
+        from .wgrad_update_gluon import launch
+
+        launch(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config)
+    else:
+        from .wgrad_update_triton import launch_wgrad_update
+
+        launch_wgrad_update(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config)
+
+
+def _time_ms(fn: Callable[[], None], reps: int = 5) -> float:
+    fn()   # compile + warm-up
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in evs:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) for a, b in evs)
+    return ts[len(ts) // 2]
+
+
+def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Choice]) -> Choice | None:
+    rows = _scratch_rows(rule, weight, states, grad_out)
+    with torch.no_grad():
+        w_s = weight[:rows].clone()
+        st_s = [s.clone() if rule.is_scalar_state(i) else s[:rows].clone() for i, s in enumerate(states)]
+        g_s = None if grad_out is None else torch.empty_like(w_s)
+        # dY [M, N] row-major sliced to its first `rows` columns, contiguous again (TMA needs it), as dy_t
+        dy_s = dy_t[:rows] if rows == weight.shape[0] else dy_t[:rows].t().contiguous().t()
+    scalar0 = [s.clone() for i, s in enumerate(st_s) if rule.is_scalar_state(i)]
+    best = None
+    for c in cands:
+        def run(c=c):
+            _launch_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s)
+            # scalar states back to their value: every candidate and repetition sees the same host scalars
+            for s, s0 in zip((s for i, s in enumerate(st_s) if rule.is_scalar_state(i)), scalar0):
+                s.copy_(s0)
+        try:
+            ms = _time_ms(run)
+        except Exception as e:  # a config that does not fit this shape/GPU (shared memory, registers)
+            log.debug("forge: autotune candidate %s failed: %s: %s", c, type(e).__name__, str(e)[:200])
+            counters["candidate_failed"] += 1
+            continue
+        counters["candidates_timed"] += 1
+        if best is None or ms < best.ms:
+            best = dataclasses.replace(c, ms=ms)
+    del w_s, st_s, g_s, dy_s
+    return best
+
+
+def _device_ok(weight) -> bool:
+    return weight.is_cuda
+
+
+def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choice | None:
+    """The tuned choice for this launch (tuning it now if the key is new); None when tuning is off, the launch
+    is not on a CUDA device, or no candidate ran."""
+    if not enabled() or not _device_ok(weight) or x.shape[0] == 0:
+        return None
+    _load()
+    key = tune_key(rule, weight, dy_t, x, states, grad_out)
+    hit = _TABLE.get(key)
+    if hit is not None:
+        counters["hit"] += 1
+        return hit
+    cands = candidates(rule, weight, dy_t, x, states, grad_out)
+    if len(cands) <= 1:
+        choice = cands[0] if cands else None
+    else:
+        choice = _tune(rule, weight, dy_t, x, states, hparams, grad_out, cands)
+        counters["tuned"] += 1
+        log.info("forge: autotuned %s -> %s %s (%.4f ms on %d candidates)", key,
+                 choice.family if choice else None, choice.config if choice else None,
+                 choice.ms if choice else float("nan"), len(cands))
+    if choice is not None:
+        with _LOCK:
+            _TABLE[key] = choice
+        _save()
+    return choice
