@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from forge_compile.kernels import wgrad_update_autotune as at  # noqa: E402
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
@@ -149,6 +150,29 @@ def gluon_why(rule, w, dy_t, x, st):
             os.environ[wg.ENV] = old
 
 
+def tuned_case(rule, w, dy_t, x, st, hp):
+    """(choice, check ok, bound launch, tuning seconds) of FORGE_AUTOTUNE for this case, or None (one candidate
+    or none). The choice is checked like every timed config before it is timed."""
+    old = os.environ.get(at.ENV)
+    os.environ[at.ENV] = "1"
+    t0 = time.time()
+    try:
+        ch = at.choose(w, dy_t, x, st, hp, rule)
+    finally:
+        os.environ[at.ENV] = old or "0"
+    secs = time.time() - t0
+    if ch is None:
+        return None
+    if ch.family == "gluon":
+        ok = check_config(rule, w, dy_t, x, st, hp, None,
+                          launch=lambda *a, **k: wg.launch(*a, **k, config=ch.config))[0]
+        fn = wg.bound_launch(w, dy_t, x, st, hp, rule, config=ch.config)
+    else:
+        ok = check_config(rule, w, dy_t, x, st, hp, ch.config)[0]
+        fn = wt.bound_launch(w, dy_t, x, st, hp, rule, config=ch.config)
+    return ch, ok, fn, secs
+
+
 # ---- parallel precompilation (the Triton disk cache is shared; the timed process then only loads) ----
 
 
@@ -200,7 +224,11 @@ def main():
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--autotune", action="store_true",
+                    help="also time FORGE_AUTOTUNE's choice per case (tuned on the case's inputs; table in OUT)")
     args = ap.parse_args()
+    if args.autotune:
+        os.environ.setdefault("FORGE_AUTOTUNE_CACHE", os.path.join(args.out, "autotune.json"))
     import triton
     from triton.testing import do_bench
 
@@ -313,6 +341,18 @@ def main():
         for c in fns:
             if c != default:
                 res[c] = bench(fns[c])
+        t_tu, tu_name, tu_s = float("nan"), "-", 0.0
+        if args.autotune:
+            tc = tuned_case(rule, w, dy_t, x, st, hp)
+            if tc is not None:
+                ch, ok, fn, tu_s = tc
+                tu_name = ch.family if ch.family == "gluon" and ch.config == wg.pick_gconfig(
+                    m, 1 + n_tensor_states, x.element_size()) else f"{ch.family}:{ch.config}"
+                if ok:
+                    t_tu = bench(fn)
+                else:
+                    checks_ok = False
+                    log(f"  TUNED CHECK FAILED {kind} {act} {n}x{k} M={m}: {tu_name}")
         opt_bytes = (8 + 8 * n_tensor_states + 4) * n * k   # W, states read+write, dW read
         t_ideal = t_mm + opt_bytes / BW * 1e3
         act_b = 4 if upcast else 2
@@ -323,13 +363,14 @@ def main():
                    default_config=default, default_ms=res.get(default, float("nan")), best_config=best,
                    best_ms=res.get(best, float("nan")), launch_ms=t_hit, launch_miss_ms=t_miss, floor_ms=floor,
                    rel_w_vs_torch=rel_w, configs=res, regs=regs, gluon_ms=t_gl, gluon_why=g_why,
-                   gluon_rel_w_vs_torch=g_rel_w)
+                   gluon_rel_w_vs_torch=g_rel_w, tuned_ms=t_tu, tuned_choice=tu_name, tuning_s=tu_s)
         rows.append(row)
         log(f"{kind} {act} {n}x{k} M={m}: unfused {t_unf:.4f} (mm {t_mm:.4f})  default {default} "
             f"{row['default_ms']:.4f} ({t_unf / row['default_ms']:.2f}x)  best {best} {row['best_ms']:.4f}  "
             f"launch {t_hit:.4f} miss {t_miss:.4f}  floor {floor:.4f}  mm+ideal {t_ideal:.4f}  W vs torch {rel_w}  "
             f"gluon {t_gl:.4f} ({t_unf / t_gl:.2f}x unfused, {row['default_ms'] / t_gl:.2f}x triton; W vs torch "
-            f"{g_rel_w}{'' if g_why is None else '; ' + g_why})")
+            f"{g_rel_w}{'' if g_why is None else '; ' + g_why})"
+            + (f"  tuned {tu_name} {t_tu:.4f} ({t_unf / t_tu:.2f}x unfused; tuning {tu_s:.1f} s)" if args.autotune else ""))
         if len(res) > 1:
             log("   " + "  ".join(f"{c}={v:.4f}(r{regs[c][0]},s{regs[c][1]})" for c, v in sorted(res.items(), key=lambda t: t[1])))
         del w, dy_t, x, st, unfused, one_step
@@ -338,13 +379,14 @@ def main():
     log("")
     log(f"{'rule':>5} {'act':>4} {'shape':>12} {'M':>5} {'unfused':>8} {'fused':>8} {'cfg':>10} {'ratio':>6} "
         f"{'best':>8} {'bestcfg':>12} {'launch':>8} {'ratio_l':>7} {'miss':>8} {'gluon':>8} {'unf/gl':>6} "
-        f"{'tri/gl':>6} {'floor':>7}")
+        f"{'tri/gl':>6} {'floor':>7}" + (f" {'tuned':>8} {'unf/tu':>6} choice" if args.autotune else ""))
     for r in rows:
         log(f"{r['kind']:>5} {r['act'][:4]:>4} {str(r['n']) + 'x' + str(r['k']):>12} {r['m']:>5} {r['unfused_ms']:8.4f} "
             f"{r['default_ms']:8.4f} {r['default_config']:>10} {r['unfused_ms'] / r['default_ms']:6.2f} "
             f"{r['best_ms']:8.4f} {str(r['best_config']):>12} {r['launch_ms']:8.4f} {r['unfused_ms'] / r['launch_ms']:7.2f} "
             f"{r['launch_miss_ms']:8.4f} {r['gluon_ms']:8.4f} {r['unfused_ms'] / r['gluon_ms']:6.2f} "
-            f"{r['default_ms'] / r['gluon_ms']:6.2f} {r['floor_ms']:7.4f}")
+            f"{r['default_ms'] / r['gluon_ms']:6.2f} {r['floor_ms']:7.4f}"
+            + (f" {r['tuned_ms']:8.4f} {r['unfused_ms'] / r['tuned_ms']:6.2f} {r['tuned_choice']}" if args.autotune else ""))
     log(f"checks {'OK' if checks_ok else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
