@@ -102,11 +102,26 @@ def test_render_refuses_unknown_spelling():
 def test_pick_gconfig_fits_smem():
     for n_arrays in range(1, 6):
         for m in (64, 512, 513, 8192):
-            cfg = wg.pick_gconfig(m, n_arrays)
-            assert cfg is not None and cfg.es >= 2 and cfg.stages >= 2
-            smem = cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * 2 + cfg.es * n_arrays * cfg.bn * cfg.epi_n * 4
-            assert smem <= wg._RING_SMEM
+            for act_bytes in (2, 4):
+                cfg = wg.pick_gconfig(m, n_arrays, act_bytes)
+                assert cfg is not None and cfg.stages >= 2 and cfg.nring in (1, 2), (m, n_arrays)
+                assert cfg.es >= (3 if cfg.nring == 2 else 2)
+                assert cfg.bk % cfg.epi_n == 0 and (cfg.bk // cfg.epi_n) & (cfg.bk // cfg.epi_n - 1) == 0
+                smem = wg.gconfig_smem(cfg, n_arrays, act_bytes)
+                assert cfg.epi_m in (64, 128) and cfg.bn % cfg.epi_m == 0
+                assert smem == (cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes
+                                + cfg.nring * cfg.es * n_arrays * cfg.epi_m * cfg.epi_n * 4)
+                assert smem <= wg._RING_SMEM
     assert wg.pick_gconfig(256, 40) is None
+
+
+def test_pick_gconfig_layouts():
+    # AdamW (W, exp_avg, exp_avg_sq), bf16: fewer GEMM stages (more slots) at small M; one shared epilogue ring of
+    # [64, 32] chunks (H200, NOTES_kernel.md v7: faster than [128, 16] chunks and than one ring per consumer)
+    assert wg.pick_gconfig(256, 3).stages < wg.pick_gconfig(1024, 3).stages
+    for m in (256, 1024, 8192):
+        cfg = wg.pick_gconfig(m, 3)
+        assert cfg.es >= 3 and cfg.nring == 1 and (cfg.epi_m, cfg.epi_n) == (64, 32)
 
 
 @pytest.fixture
@@ -200,13 +215,13 @@ def _sm90() -> bool:
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
 
 
-def _check_exact(rule, n, k, m, dtype=torch.bfloat16, max_ctas=None, seed=1):
+def _check_exact(rule, n, k, m, dtype=torch.bfloat16, max_ctas=None, seed=1, config=None):
     w, dy_t, x, st, hp = _make(rule, n, k, m, dtype, "cuda", seed)
     grad = torch.full((n, k), float("nan"), device="cuda")   # poisoned: every element must be written
     why = wg.gluon_reason(w, dy_t, x, st, rule, grad)
     assert why is None or why.startswith("auto"), why
     w_e, st_e = w.clone(), [s.clone() for s in st]
-    wg.launch(w, dy_t, x, st, hp, rule, grad_out=grad, max_ctas=max_ctas)
+    wg.launch(w, dy_t, x, st, hp, rule, grad_out=grad, max_ctas=max_ctas, config=config)
     torch.cuda.synchronize()
     assert not grad.isnan().any()
     ref = dy_t.double() @ x.double()
@@ -235,6 +250,22 @@ def test_gluon_exact_ragged(force_gluon, name):
 def test_gluon_exact_many_tiles_per_cta(force_gluon, max_ctas):
     # 8 x 7 = 56 tiles on 3 or 5 CTAs: both consumers, many rounds, odd and even counts per CTA
     _check_exact(RULES["adamw"], 1000, 776, 333, max_ctas=max_ctas)
+
+
+# ring layouts besides the default: v6 (one shared epilogue ring, [128, 16] chunks), two rings (v7), [64, 32] chunks
+LAYOUTS = {"r1_128x16": wg.GConfig(nring=1, stages=3, es=3, epi_m=128, epi_n=16),
+           "r2_128x16": wg.GConfig(nring=2, stages=3, es=2, epi_m=128, epi_n=16),
+           "r1_64x32": wg.GConfig(nring=1, stages=3, es=3, epi_m=64, epi_n=32),
+           "r2_64x32": wg.GConfig(nring=2, stages=2, es=2, epi_m=64, epi_n=32),
+           "r2_128x8": wg.GConfig(nring=2, stages=3, es=3, epi_m=128, epi_n=8)}
+
+
+@sm90
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["adamw", "sgdm"])
+def test_gluon_exact_layouts(force_gluon, layout, name):
+    # ragged N/K/M (partial row bands and column chunks), 5 CTAs: both consumers, many rounds of every ring
+    _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=LAYOUTS[layout])
 
 
 @sm90

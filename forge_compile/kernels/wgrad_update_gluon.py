@@ -8,8 +8,9 @@ Design (NOTES_kernel.md v4/v5): persistent grid (<= one CTA per SM), [128, 128] 
 Partitions: two consumer warpgroups take the CTA's even / odd tiles (wgmma over all of M, accumulator in registers,
 then the tile's epilogue), so one's HBM-bound epilogue overlaps the other's MMAs; a 1-warp GEMM loader fills a
 STAGES-deep TMA ring with dY [64 tokens, 128] (the contiguous dY, permuted in smem into the MN-major A operand) and
-X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with column chunks [128, 16] of W and every tensor
-state, so those reads are in flight during the MMAs. Per chunk, the consumer reads W/states from smem straight into
+X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with chunks [EPI_M, EPI_N] of W and every tensor state
+(default [64, 32]: 128 contiguous bytes per row; v7 measured [128, 16] 1-4 % slower), so those reads are in flight
+during the MMAs. GConfig.nring=2 gives each consumer its own ring and loader (no epi turn; measured slower). Per chunk, the consumer reads W/states from smem straight into
 the accumulator chunk's register layout, runs the rule, writes the results (and dW when STORE_GRAD) back into the
 slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips stores, so ragged shapes need no masks.
 
@@ -37,7 +38,7 @@ from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, l
 log = logging.getLogger(__name__)
 
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
-           "GluonUnsupported", "GConfig", "pick_gconfig", "ENV", "AUTO_GLUON"]
+           "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "ENV", "AUTO_GLUON"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -115,32 +116,42 @@ def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, nu
 
 @gluon.jit
 def _epi_loader(w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
-                BK: gl.constexpr, GROUP: gl.constexpr, ES: gl.constexpr, NLOAD: gl.constexpr):
-    BN: gl.constexpr = w_desc.block_type.shape[0]
+                BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, ES: gl.constexpr, NLOAD: gl.constexpr,
+                CID: gl.constexpr, NRING: gl.constexpr):
+    # NRING == 2: the loader of consumer CID's own ring (slots CID * ES ..), walking only that consumer's tiles;
+    # NRING == 1: one ring for both consumers, every tile of the CTA in order (v6)
+    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
     EPI_N: gl.constexpr = w_desc.block_type.shape[1]
-    NCH: gl.constexpr = BK // EPI_N
+    NCC: gl.constexpr = BK // EPI_N
+    NCH: gl.constexpr = (BN // EPI_M) * NCC
+    BASE: gl.constexpr = CID * ES
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     e = 0
-    for t in range(pid, num_tiles, nprog):
+    for t in range(pid + CID * nprog, num_tiles, NRING * nprog):
         pid_n, pid_k = _tile_coords(t, num_n, num_k, GROUP)
         row0 = pid_n * BN
         col0 = pid_k * BK
         for c in range(NCH):
-            s = e % ES
+            s = BASE + e % ES
             mbarrier.wait(e_empty.index(s), ((e // ES) & 1) ^ 1)
             bar = e_ready.index(s)
             mbarrier.expect(bar, NLOAD * w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [row0, col0 + c * EPI_N], bar, w_bufs.index(s))
+            rc = row0 + (c // NCC) * EPI_M
+            cc = col0 + (c % NCC) * EPI_N
+            tma.async_copy_global_to_shared(w_desc, [rc, cc], bar, w_bufs.index(s))
 {epi_loads}
             e += 1
 
 
 @gluon.jit
-def _split_cols(x, NSPLIT: gl.constexpr):
-    # [R, C] -> NSPLIT column chunks [R, C / NSPLIT], in order; register-only in the wgmma layout
+def _split_chunks(x, NROW: gl.constexpr, NSPLIT: gl.constexpr):
+    # [R, C] -> NROW row bands x NSPLIT column chunks [R / NROW, C / NSPLIT], row-band major; register-only in the
+    # wgmma layout (the row split takes the M-repetition bit: rows r and r + 64 are in the same thread)
     LOG: gl.constexpr = NSPLIT.bit_length() - 1
     xs = (x, )
+    if NROW == 2:
+        xs = x.reshape([2, x.shape[0] // 2, x.shape[1]]).permute(1, 2, 0).split()
     for _ in gl.static_range(LOG):
         nxt = ()
         for j in gl.static_range(len(xs)):
@@ -165,12 +176,16 @@ def _pick(xs, c, N: gl.constexpr):
 
 
 @gluon.jit
-def _epi_chunk(gch, c, e, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {state_bufs}g_bufs, e_ready, e_empty,
-               {scalar_params}ES: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr):
+def _epi_chunk(gch, c, e, base, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {state_bufs}g_bufs, e_ready, e_empty,
+               {scalar_params}BK: gl.constexpr, ES: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr):
     # chunk c (ring entry e) of a tile's epilogue: W/states from the slot, the rule, results back into the slot,
     # TMA stores; then the previous chunk's slot goes back to the epilogue loader
+    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
     EPI_N: gl.constexpr = w_desc.block_type.shape[1]
-    s = e % ES
+    NCC: gl.constexpr = BK // EPI_N
+    rc = row0 + (c // NCC) * EPI_M
+    cc = col0 + (c % NCC) * EPI_N
+    s = base + e % ES
     mbarrier.wait(e_ready.index(s), (e // ES) & 1)
     p = w_bufs.index(s).load(gch.type.layout)
 {chunk_loads}
@@ -180,14 +195,14 @@ def _epi_chunk(gch, c, e, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {stat
     if STORE_GRAD:
         g_bufs.index(s).store(gch)
     fence_async_shared()
-    tma.async_copy_shared_to_global(w_desc, [row0, col0 + c * EPI_N], w_bufs.index(s))
+    tma.async_copy_shared_to_global(w_desc, [rc, cc], w_bufs.index(s))
 {chunk_tma_stores}
     if STORE_GRAD:
-        tma.async_copy_shared_to_global(g_desc, [row0, col0 + c * EPI_N], g_bufs.index(s))
+        tma.async_copy_shared_to_global(g_desc, [rc, cc], g_bufs.index(s))
     # the previous chunk's stores have read their slot: hand it back (at c == 0 only this chunk's NST stores
     # are in flight, the wait returns at once)
     tma.store_wait(NST)
-    mbarrier.arrive(e_empty.index((e + ES - 1) % ES), pred=c > 0)
+    mbarrier.arrive(e_empty.index(base + (e + ES - 1) % ES), pred=c > 0)
 
 
 @gluon.jit
@@ -195,12 +210,13 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
               w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
               {scalar_params}M, num_tiles, num_n, num_k,
               CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
-              NST: gl.constexpr, STORE_GRAD: gl.constexpr):
+              NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
+    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
     EPI_N: gl.constexpr = w_desc.block_type.shape[1]
-    NCH: gl.constexpr = BK // EPI_N
+    NCH: gl.constexpr = (BN // EPI_M) * (BK // EPI_N)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BK, 16])
     pid = gl.program_id(0)
@@ -208,9 +224,11 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
     ksteps = gl.cdiv(M, BMT)
     j = CID   # index of the tile in the CTA's list (this consumer: every other one)
     r = 0     # this consumer's round
-    # Turn barriers (CUTLASS's order barrier): a consumer waits on the shared rings only after the other consumer
-    # finished waiting on them for the previous tile. mbarrier waits compare phase parity only: without the turns
+    # Turn barriers (CUTLASS's order barrier): a consumer waits on a shared ring only after the other consumer
+    # finished waiting on it for the previous tile. mbarrier waits compare phase parity only: without the turns
     # consumer 1 waits for a ring phase two phases ahead, which reads as complete at once (prototype run 1).
+    # The GEMM ring is always shared (mma_turn); with NRING == 2 each consumer has its own epilogue ring and
+    # loader, so the epilogues need no turn and overlap (v7: two warps per SMSP hide each other's div/sqrt latency).
     for t in range(pid + CID * nprog, num_tiles, 2 * nprog):
         pid_n, pid_k = _tile_coords(t, num_n, num_k, GROUP)
         row0 = pid_n * BN
@@ -229,24 +247,30 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
         mbarrier.arrive(mma_turn.index(1 - CID))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it0 + ksteps - 1) % STAGES))
-        mbarrier.wait(epi_turn.index(CID), turn_ph)
+        if NRING == 1:
+            mbarrier.wait(epi_turn.index(CID), turn_ph)
+            e0 = j * NCH    # ring entries: every tile of the CTA
+            base = 0
+        else:
+            e0 = r * NCH    # this consumer's tiles only
+            base = CID * ES
 
-        gs = _split_cols(acc, NCH)
-        e0 = j * NCH
+        gs = _split_chunks(acc, BN // EPI_M, BK // EPI_N)
         if ROLL_EPILOGUE:
             # a rolled loop (runtime c, the chunk picked by selects): unrolled, each consumer held NCH copies of
             # the rule's code, 221 KB of SASS for AdamW (div.rn/sqrt.rn ~15 instructions + a slow-path branch
             # each), more than the instruction cache holds (NOTES_kernel.md v6)
             for c in range(NCH):
-                _epi_chunk(_pick(gs, c, NCH), c, e0 + c, row0, col0, w_desc, {state_descs}g_desc,
-                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}ES, NST, STORE_GRAD)
+                _epi_chunk(_pick(gs, c, NCH), c, e0 + c, base, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}BK, ES, NST, STORE_GRAD)
         else:
             for c in gl.static_range(NCH):
-                _epi_chunk(gs[c], c, e0 + c, row0, col0, w_desc, {state_descs}g_desc,
-                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}ES, NST, STORE_GRAD)
-        mbarrier.arrive(epi_turn.index(1 - CID))
+                _epi_chunk(gs[c], c, e0 + c, base, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}BK, ES, NST, STORE_GRAD)
+        if NRING == 1:
+            mbarrier.arrive(epi_turn.index(1 - CID))
         tma.store_wait(0)
-        mbarrier.arrive(e_empty.index((e0 + NCH - 1) % ES))
+        mbarrier.arrive(e_empty.index(base + (e0 + NCH - 1) % ES))
         j += 2
         r += 1
 
@@ -256,10 +280,10 @@ def _consumer1(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, rea
                w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
                {scalar_params}M, num_tiles, num_n, num_k,
                GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
-               NST: gl.constexpr, STORE_GRAD: gl.constexpr):
+               NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr):
     _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
               w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-              {scalar_params}M, num_tiles, num_n, num_k, 1, GROUP, STAGES, ES, NST, STORE_GRAD)
+              {scalar_params}M, num_tiles, num_n, num_k, 1, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)
 
 
 @gluon.jit
@@ -267,7 +291,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
                               NLOAD: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              NRING: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -278,20 +302,21 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
 
     a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [ES] + w_desc.block_type.shape, w_desc.layout)
+    NSLOT: gl.constexpr = NRING * ES
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSLOT] + w_desc.block_type.shape, w_desc.layout)
 {alloc_states}
     if STORE_GRAD:
-        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [ES] + g_desc.block_type.shape, g_desc.layout)
+        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [NSLOT] + g_desc.block_type.shape, g_desc.layout)
     else:
         g_bufs = w_bufs   # never touched (STORE_GRAD off): no smem spent on it
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    e_ready = gl.allocate_shared_memory(gl.int64, [ES, 1], mbarrier.MBarrierLayout())
-    e_empty = gl.allocate_shared_memory(gl.int64, [ES, 1], mbarrier.MBarrierLayout())
+    e_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    e_empty = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(ES):
+    for i in gl.static_range(NSLOT):
         mbarrier.init(e_ready.index(i), count=1)
         mbarrier.init(e_empty.index(i), count=1)
     mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -300,17 +325,34 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
         mbarrier.init(mma_turn.index(i), count=1)
         mbarrier.init(epi_turn.index(i), count=1)
 
-    gl.warp_specialize([
-        (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                     w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                     {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD)),
-        (_consumer1, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                      w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                      {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD)),
-        (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP, STAGES)),
-        (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
-                       BK, GROUP, ES, NLOAD)),
-    ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+    if NRING == 1:
+        gl.warp_specialize([
+            (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
+                         w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+                         {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+            (_consumer1, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
+                          w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+                          {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+            (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                            STAGES)),
+            (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
+                           BN, BK, GROUP, ES, NLOAD, 0, NRING)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
+                         w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+                         {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+            (_consumer1, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
+                          w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+                          {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+            (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                            STAGES)),
+            (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
+                           BN, BK, GROUP, ES, NLOAD, 0, NRING)),
+            (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
+                           BN, BK, GROUP, ES, NLOAD, 1, NRING)),
+        ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
 '''
 
 
@@ -352,15 +394,15 @@ def render_gluon_source(ep: Epilogue) -> str:
         outputs=", ".join(_to_gluon(o) for o in ep.outputs),
         state_descs="".join(f"{s}_desc, " for s in states),
         state_bufs="".join(f"{s}_bufs, " for s in states),
-        epi_loads="\n".join(f"{i12}tma.async_copy_global_to_shared({s}_desc, [row0, col0 + c * EPI_N], bar, "
+        epi_loads="\n".join(f"{i12}tma.async_copy_global_to_shared({s}_desc, [rc, cc], bar, "
                             f"{s}_bufs.index(s))" for s in states),
         chunk_loads="\n".join(f"{i4}{s} = {s}_bufs.index(s).load(gch.type.layout)" for s in states),
         new_vars=", ".join(new_vars),
         new_p=new_vars[0],
         chunk_stores="\n".join(f"{i4}{s}_bufs.index(s).store({v})" for s, v in zip(states, new_vars[1:])),
-        chunk_tma_stores="\n".join(f"{i4}tma.async_copy_shared_to_global({s}_desc, [row0, col0 + c * EPI_N], "
+        chunk_tma_stores="\n".join(f"{i4}tma.async_copy_shared_to_global({s}_desc, [rc, cc], "
                                    f"{s}_bufs.index(s))" for s in states),
-        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, [ES] + w_desc.block_type.shape, "
+        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSLOT] + w_desc.block_type.shape, "
                                f"w_desc.layout)" for s in states),
     )
 
@@ -408,29 +450,39 @@ class GConfig:
     bmt: int = 64          # tokens per GEMM stage
     bn: int = 128          # dW tile rows
     bk: int = 128          # dW tile cols
-    epi_n: int = 16        # epilogue chunk cols
+    epi_m: int = 64        # epilogue chunk rows (128 or 64: 64 doubles the bytes per row of a TMA box of equal size)
+    epi_n: int = 32        # epilogue chunk cols
     stages: int = 4        # GEMM ring depth
-    es: int = 3            # epilogue ring depth
+    es: int = 3            # epilogue ring depth (per ring)
+    nring: int = 1         # 1: one epilogue ring shared by the consumers (epi turn); 2: one ring + loader each (v7)
     group: int = 8
     cregs: int = 232       # setmaxnreg of the consumer warpgroups
     maxnreg: int = 168
 
 
-# Rings' share of the 227 KB of smem per SM (the prototype's largest config used 213 KB in all, barriers included).
+# Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile).
 _RING_SMEM = 208 * 1024
+
+
+def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2) -> int:
+    """Bytes of the GEMM ring + the epilogue ring(s) (barriers not counted)."""
+    return (cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes
+            + cfg.nring * cfg.es * n_arrays * cfg.epi_m * cfg.epi_n * 4)
 
 
 @functools.lru_cache(maxsize=1024)    # called twice per launch; dataclasses.replace alone costs microseconds
 def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
-    """Ring depths for M and the number of fp32 [BN, EPI_N] arrays per epilogue slot (W, tensor states, dW when
-    stored); None when even 2 GEMM stages and 2 slots do not fit.
+    """Ring depths for M and the number of fp32 [EPI_M, EPI_N] arrays per epilogue slot (W, tensor states, dW when
+    stored); None when even 2 GEMM stages and 2 slots do not fit (the caller then takes the Triton kernel).
 
-    H200 (v4 prototype, AdamW): 3 GEMM stages with 4 slots ~ 2 stages with 6 slots at M=256 and 6 % ahead of 4/3
-    there; 4 stages win from M=1024 on (3 stages 15-25 % slower at M >= 2048). Slots: as many as fit, up to 6.
+    H200: 3 GEMM stages at M <= 512, 4 above (v4-v7: 4 stages 2-10 % slower at M=256, 3 stages 10-25 % slower
+    from M=2048 on); slots as many as fit, up to 6. One shared epilogue ring (v6) with [64, 32] chunks: 1-4 %
+    faster than [128, 16] at every measured point, AdamW/SGD-momentum/Lion, M = 256..8192 (v7, NOTES_kernel.md);
+    two rings (nring=2) were 2-8 % slower than one at equal smem and are not picked.
     """
-    base = GConfig()
+    base = GConfig(nring=1, epi_m=64, epi_n=32)
     stage_b = base.bmt * (base.bn + base.bk) * act_bytes
-    slot_b = n_arrays * base.bn * base.epi_n * 4
+    slot_b = n_arrays * base.epi_m * base.epi_n * 4
     for stages in ((3, 2) if m <= 512 else (4, 3, 2)):
         es = min(6, (_RING_SMEM - stages * stage_b) // slot_b)
         if es >= 2:
@@ -548,7 +600,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
     act = gl.bfloat16 if act_dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bn], act),
             gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bk], act),
-            gl.NVMMASharedLayout.get_default_for([cfg.bn, cfg.epi_n], gl.float32))
+            gl.NVMMASharedLayout.get_default_for([cfg.epi_m, cfg.epi_n], gl.float32))
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
@@ -569,13 +621,13 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
-    e_descs = [TensorDescriptor(t, [n, k], [k, 1], [cfg.bn, cfg.epi_n], e_l) for t in epi]
+    e_descs = [TensorDescriptor(t, [n, k], [k, 1], [cfg.epi_m, cfg.epi_n], e_l) for t in epi]
     g_desc = e_descs[-1] if grad_out is not None else e_descs[0]
     tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
     grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
     args = (dy_desc, x_desc, e_descs[0], *e_descs[1:1 + len(tensor_states)], g_desc, *scalars, m, n, k)
     opts = dict(GROUP=cfg.group, STAGES=cfg.stages, ES=cfg.es, NLOAD=1 + len(tensor_states), NST=len(epi),
-                STORE_GRAD=grad_out is not None, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
+                STORE_GRAD=grad_out is not None, NRING=cfg.nring, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
                 # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
                 enable_fp_fusion=False)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
