@@ -9,7 +9,7 @@ Partitions: two consumer warpgroups take the CTA's even / odd tiles (wgmma over 
 then the tile's epilogue), so one's HBM-bound epilogue overlaps the other's MMAs; a 1-warp GEMM loader fills a
 STAGES-deep TMA ring with dY [64 tokens, 128] (the contiguous dY, permuted in smem into the MN-major A operand) and
 X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with chunks [EPI_M, EPI_N] of W and every tensor state
-(default [64, 32]: 128 contiguous bytes per row; v7 measured [128, 16] 1-4 % slower), so those reads are in flight
+(default [64, 32]: 128 contiguous bytes per row; v7 measured [128, 16] 2-5 % slower), so those reads are in flight
 during the MMAs. GConfig.nring=2 gives each consumer its own ring and loader (no epi turn; measured slower). Per chunk, the consumer reads W/states from smem straight into
 the accumulator chunk's register layout, runs the rule, writes the results (and dW when STORE_GRAD) back into the
 slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips stores, so ragged shapes need no masks.
@@ -476,9 +476,9 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     stored); None when even 2 GEMM stages and 2 slots do not fit (the caller then takes the Triton kernel).
 
     H200: 3 GEMM stages at M <= 512, 4 above (v4-v7: 4 stages 2-10 % slower at M=256, 3 stages 10-25 % slower
-    from M=2048 on); slots as many as fit, up to 6. One shared epilogue ring (v6) with [64, 32] chunks: 1-4 %
+    from M=2048 on); slots as many as fit, up to 6. One shared epilogue ring (v6) with [64, 32] chunks: 2-5 %
     faster than [128, 16] at every measured point, AdamW/SGD-momentum/Lion, M = 256..8192 (v7, NOTES_kernel.md);
-    two rings (nring=2) were 2-8 % slower than one at equal smem and are not picked.
+    two rings (nring=2) were 1-5 % slower than one (best layouts of each) and are not picked.
     """
     base = GConfig(nring=1, epi_m=64, epi_n=32)
     stage_b = base.bmt * (base.bn + base.bk) * act_bytes
