@@ -10,8 +10,8 @@ then the tile's epilogue), so one's HBM-bound epilogue overlaps the other's MMAs
 STAGES-deep TMA ring with dY [64 tokens, 128] (the contiguous dY, permuted in smem into the MN-major A operand) and
 X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with chunks [EPI_M, EPI_N] of W and every tensor state
 (default [64, 32]: 128 contiguous bytes per row; v7 measured [128, 16] 2-5 % slower), so those reads are in flight
-during the MMAs. GConfig.nring=2 gives each consumer its own ring and loader (no epi turn; measured slower). Per chunk, the consumer reads W/states from smem straight into
-the accumulator chunk's register layout, runs the rule, writes the results (and dW when STORE_GRAD) back into the
+during the MMAs (GConfig.nring=2: one ring and loader per consumer, no epi turn; measured slower). Per chunk, the
+consumer reads W/states from smem straight into the accumulator chunk's register layout, runs the rule, writes the results (and dW when STORE_GRAD) back into the
 slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips stores, so ragged shapes need no masks.
 
 Exactness: the rule's math is epilogue_codegen's generated code for the "cuda" target, i.e. the same per-op
@@ -228,7 +228,7 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
     # finished waiting on it for the previous tile. mbarrier waits compare phase parity only: without the turns
     # consumer 1 waits for a ring phase two phases ahead, which reads as complete at once (prototype run 1).
     # The GEMM ring is always shared (mma_turn); with NRING == 2 each consumer has its own epilogue ring and
-    # loader, so the epilogues need no turn and overlap (v7: two warps per SMSP hide each other's div/sqrt latency).
+    # loader, so the epilogues need no turn and overlap (v7: slower than one deeper shared ring, NOTES_kernel.md).
     for t in range(pid + CID * nprog, num_tiles, 2 * nprog):
         pid_n, pid_k = _tile_coords(t, num_n, num_k, GROUP)
         row0 = pid_n * BN
