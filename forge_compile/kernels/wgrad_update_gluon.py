@@ -11,8 +11,9 @@ STAGES-deep TMA ring with dY [64 tokens, 128] (the contiguous dY, permuted in sm
 X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with chunks [EPI_M, EPI_N] of W and every tensor state
 (default [64, 32]: 128 contiguous bytes per row; v7 measured [128, 16] 2-5 % slower), so those reads are in flight
 during the MMAs (GConfig.nring=2: one ring and loader per consumer, no epi turn; measured slower). Per chunk, the
-consumer reads W/states from smem straight into the accumulator chunk's register layout, runs the rule, writes the results (and dW when STORE_GRAD) back into the
-slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips stores, so ragged shapes need no masks.
+consumer reads W/states from smem straight into the accumulator chunk's register layout, runs the rule, writes the
+results (and dW when STORE_GRAD) back into the slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips
+stores, so ragged shapes need no masks.
 
 Exactness: the rule's math is epilogue_codegen's generated code for the "cuda" target, i.e. the same per-op
 formulas (spelled-out FMAs, div_rn/sqrt_rn, libdevice, host reciprocals) the Triton kernel uses, compiled with
@@ -402,7 +403,8 @@ def render_gluon_source(ep: Epilogue) -> str:
         chunk_stores="\n".join(f"{i4}{s}_bufs.index(s).store({v})" for s, v in zip(states, new_vars[1:])),
         chunk_tma_stores="\n".join(f"{i4}tma.async_copy_shared_to_global({s}_desc, [rc, cc], "
                                    f"{s}_bufs.index(s))" for s in states),
-        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSLOT] + w_desc.block_type.shape, "
+        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, "
+                               f"[NSLOT] + w_desc.block_type.shape, "
                                f"w_desc.layout)" for s in states),
     )
 
@@ -627,7 +629,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
     args = (dy_desc, x_desc, e_descs[0], *e_descs[1:1 + len(tensor_states)], g_desc, *scalars, m, n, k)
     opts = dict(GROUP=cfg.group, STAGES=cfg.stages, ES=cfg.es, NLOAD=1 + len(tensor_states), NST=len(epi),
-                STORE_GRAD=grad_out is not None, NRING=cfg.nring, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
+                STORE_GRAD=grad_out is not None, NRING=cfg.nring, CONSUMER_REGS=cfg.cregs, num_warps=4,
+                maxnreg=cfg.maxnreg,
                 # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
                 enable_fp_fusion=False)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
