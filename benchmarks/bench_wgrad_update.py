@@ -213,6 +213,8 @@ def final_cases():
 def gluon_cases():
     cases = [("adamw", "bfloat16", n, k, m) for n, k in SHAPES3[:2] for m in MS]
     cases += [(kind, "bfloat16", 4096, 4096, m) for kind in ("sgdm", "lion") for m in MS]
+    cases += [("adamw", "bfloat16", 4096, 14336, m) for m in (256, 2048, 8192)]
+    cases += [("adamw", "bfloat16", 128256, 4096, m) for m in (1024, 4096)]   # a Llama-3 lm_head
     return cases
 
 

@@ -143,3 +143,15 @@ def test_tuned_launch_exact_and_parameter_untouched_by_tuning(tuner, act):
             assert torch.equal(a.cpu(), b.cpu())
     assert at.counters["tuned"] == (1 if len(at.candidates(rule, w, dy_t, x, st, grad)) > 1 else 0)
     assert json.load(open(tuner)), "choice not persisted"
+
+
+def test_gluon_candidates_fit_and_start_with_the_default():
+    pytest.importorskip("triton")
+    from forge_compile.kernels import wgrad_update_gluon as wg
+
+    for m in (64, 512, 513, 8192):
+        for n_arrays in (1, 3, 5):
+            cands = wg.gconfig_candidates(m, n_arrays)
+            assert cands[0] == wg.pick_gconfig(m, n_arrays)
+            assert len(set(cands)) == len(cands) == 2
+            assert all(wg.gconfig_smem(c, n_arrays) <= wg._RING_SMEM for c in cands)

@@ -492,6 +492,23 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     return None
 
 
+def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfig]:
+    """Configurations worth timing for a launch (wgrad_update_autotune): pick_gconfig's, then the same layout with
+    the other GEMM ring depth (3 or 4 stages, slots as many as fit) -- the one knob whose best value moved with M
+    in every sweep (v4-v7); the chunk layouts and two rings lost everywhere and are not worth compiling."""
+    base = pick_gconfig(m, n_arrays, act_bytes)
+    if base is None:
+        return []
+    out = [base]
+    for stages in (3, 4):
+        if stages != base.stages:
+            es = min(6, (_RING_SMEM - stages * base.bmt * (base.bn + base.bk) * act_bytes)
+                     // (n_arrays * base.epi_m * base.epi_n * 4))
+            if es >= 2:
+                out.append(dataclasses.replace(base, stages=stages, es=es))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # selection
 
