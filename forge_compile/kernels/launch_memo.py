@@ -33,10 +33,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED"]
+__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED", "LAST_ERROR"]
 
 # Switch for tests/benchmarks (and a kill switch: set False after an unexpected launcher failure).
 ENABLED = [True]
+LAST_ERROR: list = [None]   # the exception that switched the fast path off (tests, diagnostics)
 _CAPACITY = 512
 _LOCK = threading.Lock()
 _ENTRIES: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
@@ -96,6 +97,7 @@ def lookup(key: tuple, states, hparams) -> bool:
         entry.run(*entry.head, *scalars, *entry.tail)
     except Exception as e:  # the launcher raises before launching (argument conversion): full path from now on
         ENABLED[0] = False
+        LAST_ERROR[0] = e
         log.warning("forge: fast launch path failed (%s: %s); using the full launch path from now on",
                     type(e).__name__, str(e)[:300])
         return False
@@ -154,7 +156,8 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
         compiled = kernel.warmup(*args, grid=grid, **opts)
         if hasattr(compiled, "result"):   # an asynchronous compile's future
             compiled = compiled.result()
-        run = compiled[grid]
+        # CompiledKernel[grid] indexes grid[0], grid[1], grid[2] (JITFunction.run pads a shorter grid itself)
+        run = compiled[tuple(grid) + (1,) * (3 - len(grid))]
     except Exception as e:  # never fatal: this key keeps the full path
         counters["unsupported"] += 1
         log.debug("forge: fast launch entry not built: %s: %s", type(e).__name__, e)
