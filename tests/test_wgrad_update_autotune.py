@@ -155,3 +155,15 @@ def test_gluon_candidates_fit_and_start_with_the_default():
             assert cands[0] == wg.pick_gconfig(m, n_arrays)
             assert len(set(cands)) == len(cands) == 2
             assert all(wg.gconfig_smem(c, n_arrays) <= wg._RING_SMEM for c in cands)
+
+
+def test_forget_sends_the_key_back_to_the_default(tuner, monkeypatch):
+    rule, w, dy_t, x, st, hp = _layer()
+    monkeypatch.setattr(at, "_device_ok", lambda w: True)
+    monkeypatch.setattr(at, "candidates", lambda *a: [at.Choice("triton", "a"), at.Choice("triton", "b")])
+    monkeypatch.setattr(at, "_launch_choice", lambda *a: None)
+    monkeypatch.setattr(at, "_time_ms", lambda fn, reps=5: 1.0)
+    assert at.choose(w, dy_t, x, st, hp, rule) is not None
+    at.forget(w, dy_t, x, st, rule, why=RuntimeError("does not build"))
+    assert at.choose(w, dy_t, x, st, hp, rule) is None                 # not re-tuned in this process
+    assert at.tune_key(rule, w, dy_t, x, st, None) not in json.load(open(tuner))

@@ -32,13 +32,14 @@ from ..optim.rule import Rule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV", "enabled", "m_bucket", "tune_key", "choose", "Choice", "clear", "counters"]
+__all__ = ["ENV", "enabled", "m_bucket", "tune_key", "choose", "forget", "Choice", "clear", "counters"]
 
 ENV = "FORGE_AUTOTUNE"
 counters: collections.Counter = collections.Counter()
 _LOCK = threading.Lock()
 _TABLE: dict[str, "Choice"] = {}
 _LOADED: list[str] = []    # the cache file the table was loaded from
+_FORGOTTEN: set[str] = set()   # keys whose choice failed in this process: never re-tuned here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,7 @@ def clear(memory_only: bool = False) -> None:
     with _LOCK:
         _TABLE.clear()
         _LOADED.clear()
+        _FORGOTTEN.clear()
     counters.clear()
     if not memory_only:
         try:
@@ -220,6 +222,19 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Ch
     return best
 
 
+def forget(weight, dy_t, x, states, rule: Rule, grad_out=None, *, why: BaseException | None = None) -> None:
+    """Drop this launch's choice (it failed to build or launch): the key goes back to the untuned path for the
+    rest of the process and is re-tuned in the next one."""
+    key = tune_key(rule, weight, dy_t, x, states, grad_out)
+    with _LOCK:
+        dropped = _TABLE.pop(key, None)
+    counters["forgotten"] += 1
+    _FORGOTTEN.add(key)
+    log.warning("forge: autotuned choice %s for %s failed (%s); using the default configuration",
+                dropped, key, why)
+    _save()
+
+
 def _device_ok(weight) -> bool:
     return weight.is_cuda
 
@@ -231,6 +246,8 @@ def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choic
         return None
     _load()
     key = tune_key(rule, weight, dy_t, x, states, grad_out)
+    if key in _FORGOTTEN:
+        return None
     hit = _TABLE.get(key)
     if hit is not None:
         counters["hit"] += 1

@@ -515,15 +515,21 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
             if launch_memo.lookup(memo_key, states, hparams):
                 return
         choice = autotune.choose(weight, dy_t, x, states, hparams, rule, grad_out) if tuned else None
+        gcfg = None
         if choice is not None and choice.family == "gluon":
             gcfg = choice.config
-            wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg)
-        elif choice is None and wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out):
-            gcfg = None
+            try:
+                wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg)
+                ran_gluon = True
+            except Exception as e:  # a choice from the cache file that does not build here: the untuned path
+                autotune.forget(weight, dy_t, x, states, rule, grad_out, why=e)
+                gcfg = None
+                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out)
+        elif choice is not None:
+            ran_gluon, config = False, choice.config
         else:
-            gcfg = False
-            config = None if choice is None else choice.config
-        if gcfg is not False:
+            ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out)
+        if ran_gluon:
             if memo_key is not None:
                 launch_memo.remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule,
                                                                           grad_out, config=gcfg),
