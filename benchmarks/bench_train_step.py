@@ -313,13 +313,20 @@ def run_worker(cfg: dict, res: dict) -> dict:
                 times.append((time.perf_counter() - t0) * 1e3)
         last = float(loss)
         res.update(step_ms=times, median_ms=statistics.median(times), last_timed_loss=last,
-                   compiles=_compile_count(route, step),
+                   compiles=_compile_count(route, step), launch_memo=_memo_counters(),
                    tokens_per_s=mb * cfg["seq_len"] / (statistics.median(times) / 1e3),
                    timing="CUDA events" if device.type == "cuda" else "perf_counter")
         if not math.isfinite(last):
             raise RuntimeError(f"non-finite loss {last} in the timed steps")
     res["status"] = "ok"
     return res
+
+
+def _memo_counters():
+    """launch_memo's counters in this process: hits = fused launches that skipped the full host path."""
+    from forge_compile.kernels import launch_memo
+
+    return dict(launch_memo.counters, enabled=launch_memo.ENABLED[0])
 
 
 def _compile_count(route, step):
