@@ -348,8 +348,9 @@ def main():
             tc = tuned_case(rule, w, dy_t, x, st, hp)
             if tc is not None:
                 ch, ok, fn, tu_s = tc
-                tu_name = ch.family if ch.family == "gluon" and ch.config == wg.pick_gconfig(
-                    m, 1 + n_tensor_states, x.element_size()) else f"{ch.family}:{ch.config}"
+                c = ch.config
+                tu_name = (f"gluon:s{c.stages}e{c.es}{'' if c == wg.pick_gconfig(m, 1 + n_tensor_states, x.element_size()) else '*'}"
+                           if ch.family == "gluon" else f"triton:{c}")   # '*': not the default Gluon config
                 if ok:
                     t_tu = bench(fn)
                 else:
