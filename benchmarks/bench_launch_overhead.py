@@ -91,7 +91,8 @@ def main():
             "launch_memo": dict(launch_memo.counters)}
     for name, us in rows.items():
         print(f"{name:14s} {us:8.1f} us/call")
-    print(f"launch_memo counters {dict(launch_memo.counters)} enabled {launch_memo.ENABLED[0]} error {launch_memo.LAST_ERROR[0]!r}")
+    print(f"launch_memo counters {dict(launch_memo.counters)} enabled {launch_memo.ENABLED[0]} "
+          f"error {launch_memo.LAST_ERROR[0]!r}")
     with open(os.path.join(a.out, "launch_overhead.json"), "w") as f:
         json.dump(meta, f, indent=1)
 

@@ -349,8 +349,11 @@ def main():
             if tc is not None:
                 ch, ok, fn, tu_s = tc
                 c = ch.config
-                tu_name = (f"gluon:s{c.stages}e{c.es}{'' if c == wg.pick_gconfig(m, 1 + n_tensor_states, x.element_size()) else '*'}"
-                           if ch.family == "gluon" else f"triton:{c}")   # '*': not the default Gluon config
+                if ch.family == "gluon":   # '*': not the default Gluon config
+                    star = "" if c == wg.pick_gconfig(m, 1 + n_tensor_states, x.element_size()) else "*"
+                    tu_name = f"gluon:s{c.stages}e{c.es}{star}"
+                else:
+                    tu_name = f"triton:{c}"
                 if ok:
                     t_tu = bench(fn)
                 else:
