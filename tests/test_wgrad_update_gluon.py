@@ -7,6 +7,7 @@ to the Triton kernel, never fail.
 from __future__ import annotations
 
 import ast
+import os
 
 import pytest
 import torch
@@ -122,6 +123,40 @@ def test_pick_gconfig_layouts():
     for m in (256, 1024, 8192):
         cfg = wg.pick_gconfig(m, 3)
         assert cfg.es >= 3 and cfg.nring == 1 and (cfg.epi_m, cfg.epi_n) == (64, 32)
+
+
+def test_v8_variants_not_default():
+    # v8 (NOTES_kernel.md, prepared, not measured): band chunks and out rings are selectable, never picked
+    for n_arrays in range(1, 6):
+        for m in (256, 1024, 8192):
+            for store_grad in (False, True):
+                if store_grad and n_arrays == 1:
+                    continue
+                cfg = wg.pick_gconfig(m, n_arrays)
+                assert cfg.eout == 0 and cfg.epi_m == 64 and cfg.epi_n == 32
+                vs = wg.v8_configs(m, n_arrays, 2, store_grad)
+                assert vs["v7"] == cfg
+                for name, v in vs.items():
+                    assert v.stages == cfg.stages and 2 <= v.es <= 6, (name, v)
+                    assert wg.gconfig_smem(v, n_arrays, 2, store_grad) <= wg._RING_SMEM, (name, v)
+                    wg._check_gconfig(v)
+    # AdamW (W, exp_avg, exp_avg_sq) + dW at M=256: every variant fits
+    assert set(wg.v8_configs(256, 4, 2, True)) == {"v7", "band", "out1", "out2", "band_out1"}
+    band = wg.v8_configs(256, 3)["band"]
+    assert (band.epi_m, band.epi_n, wg._box(band), wg._boxes(band)) == (8, 64, [8, 32], 8)
+    assert wg.chunk_bytes(band) == wg.chunk_bytes(wg.pick_gconfig(256, 3)) == 8192
+    # out ring: input slots hold no dW, the out ring holds every stored array
+    out1 = wg.GConfig(stages=3, es=3, eout=1)
+    assert wg.gconfig_smem(out1, 4, 2, True) == 3 * 64 * 256 * 2 + (3 * 3 + 1 * 4) * 8192
+
+
+def test_check_gconfig_refuses_unsupported():
+    # boxes wider than 128 B: triton 3.6 splits their loads into 128 B messages but not their stores
+    # band chunks of 128 columns: 32 elements per thread, spills
+    for bad in (wg.GConfig(epi_m=64, epi_n=64), wg.GConfig(epi_m=8, epi_n=32), wg.GConfig(bn=64),
+                wg.GConfig(epi_m=32, epi_n=32), wg.GConfig(epi_m=8, epi_n=128)):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(bad)
 
 
 @pytest.fixture
@@ -252,20 +287,48 @@ def test_gluon_exact_many_tiles_per_cta(force_gluon, max_ctas):
     _check_exact(RULES["adamw"], 1000, 776, 333, max_ctas=max_ctas)
 
 
-# ring layouts besides the default: v6 (one shared epilogue ring, [128, 16] chunks), two rings (v7), [64, 32] chunks
+# ring layouts besides the default: v6 (one shared epilogue ring, [128, 16] chunks), two rings (v7), [64, 32] chunks;
+# v8: band chunks (4 x 2 boxes [8, 32] per array: rows 16 w + i of a band, 256 B per row), out rings (input slots
+# freed after their smem loads), both, and an out ring per consumer (two rings)
 LAYOUTS = {"r1_128x16": wg.GConfig(nring=1, stages=3, es=3, epi_m=128, epi_n=16),
            "r2_128x16": wg.GConfig(nring=2, stages=3, es=2, epi_m=128, epi_n=16),
            "r1_64x32": wg.GConfig(nring=1, stages=3, es=3, epi_m=64, epi_n=32),
            "r2_64x32": wg.GConfig(nring=2, stages=2, es=2, epi_m=64, epi_n=32),
-           "r2_128x8": wg.GConfig(nring=2, stages=3, es=3, epi_m=128, epi_n=8)}
+           "r2_128x8": wg.GConfig(nring=2, stages=3, es=3, epi_m=128, epi_n=8),
+           "r1_band": wg.GConfig(nring=1, stages=3, es=3, epi_m=8, epi_n=64),
+           "r1_out1": wg.GConfig(nring=1, stages=3, es=3, eout=1),
+           "r1_out2": wg.GConfig(nring=1, stages=3, es=2, eout=2),
+           "r1_band_out1": wg.GConfig(nring=1, stages=3, es=3, epi_m=8, epi_n=64, eout=1),
+           "r2_band_out1": wg.GConfig(nring=2, stages=2, es=2, epi_m=8, epi_n=64, eout=1)}
 
 
 @sm90
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["adamw", "sgdm"])
 def test_gluon_exact_layouts(force_gluon, layout, name):
-    # ragged N/K/M (partial row bands and column chunks), 5 CTAs: both consumers, many rounds of every ring
+    # ragged N/K/M (partial row bands and column chunks; band chunks: boxes wholly past N), 5 CTAs: both consumers,
+    # many rounds of every ring
     _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=LAYOUTS[layout])
+
+
+def test_layouts_fit_smem():
+    # AdamW + dW (the layout test's largest case): 4 arrays, 3 loaded; 227 KB per CTA on sm_90, < 1 KB of barriers
+    for name, cfg in LAYOUTS.items():
+        wg._check_gconfig(cfg)
+        assert wg.gconfig_smem(cfg, 4, 2, True) <= 226 * 1024, name
+
+
+@sm90
+@pytest.mark.parametrize("variant", ["band", "out1", "out2", "band_out1"])
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_gluon_exact_v8_configs(force_gluon, variant, name):
+    # the configs the v8 measurement command times (v8_configs), at an even 4-stage shape and a ragged one
+    rule = RULES[name]
+    n_arrays = 2 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))   # + W, + dW
+    for n, k, m in ((512, 384, 1024), (1000, 776, 333)):
+        cfg = wg.v8_configs(m, n_arrays, 2, True).get(variant)
+        if cfg is not None:
+            _check_exact(rule, n, k, m, max_ctas=3, config=cfg)
 
 
 @sm90
@@ -332,3 +395,58 @@ def test_unsupported_layout_falls_back_to_triton(force_gluon, monkeypatch):
     with torch.no_grad():
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e)
+
+
+# ---- v8 timing (opt-in: FORGE_V8_SWEEP=<output file>; benchmarks/NOTES_kernel.md v8 has the command) -----------
+
+V8_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("adamw", 14336, 4096, (256, 2048)),
+            ("sgdm", 4096, 4096, (256, 1024, 4096)), ("lion", 4096, 4096, (256, 2048))]
+
+
+@sm90
+@pytest.mark.skipif(not os.environ.get("FORGE_V8_SWEEP"), reason="timing sweep, opt-in (FORGE_V8_SWEEP=<file>)")
+def test_v8_sweep(force_gluon):
+    # Times pick_gconfig's config ("v7") and each v8 variant at the bench's inputs, one process, medians of
+    # do_bench. Exactness first: every variant bit-exact vs eager on its stored dW (config fitted with dW, as
+    # check_config launches it) and, as timed (without dW), bit-identical to the v7 kernel's W/states (same GEMM,
+    # so the same dW). Rows go to the file and to stdout.
+    import sys
+
+    from triton.testing import do_bench
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from bench_wgrad_update import check_config, make_inputs
+
+    def run(cfg, rule, w, dy_t, x, st, hp):
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        wg.launch(w1, dy_t, x, st1, hp, rule, config=cfg)
+        return w1, st1
+
+    bad = []
+    with open(os.environ["FORGE_V8_SWEEP"], "a") as f:
+        for kind, n, k, ms in V8_CASES:
+            for m in ms:
+                rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m)
+                na = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+                cfgs, cfgs_g = wg.v8_configs(m, na), wg.v8_configs(m, na + 1, 2, True)
+                ref_w, ref_st = run(cfgs["v7"], rule, w, dy_t, x, st, hp)
+                ok = {}
+                for name, cfg in cfgs.items():
+                    good = name not in cfgs_g or check_config(
+                        rule, w, dy_t, x, st, hp, None,
+                        launch=lambda *a, c=cfgs_g[name], **kw: wg.launch(*a, **kw, config=c))[0]
+                    w1, st1 = run(cfg, rule, w, dy_t, x, st, hp)
+                    ok[name] = good and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
+                    if not ok[name]:
+                        bad.append((kind, n, k, m, name))
+                cells = []
+                for name, cfg in cfgs.items():   # timing updates w/st in place: after every check
+                    t = do_bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg), warmup=10, rep=25,
+                                 return_mode="median")
+                    cells.append(f"{name} {t:.4f}{'' if ok[name] else ' CHECK FAILED'} "
+                                 f"(S{cfg.stages} ES{cfg.es} O{cfg.eout} {cfg.epi_m}x{cfg.epi_n})")
+                line = f"{kind} {n}x{k} M={m}: " + " | ".join(cells)
+                print(line, flush=True)
+                f.write(line + "\n")
+                f.flush()
+    assert not bad, bad

@@ -13,7 +13,9 @@ X [64, 128]; a 1-warp epilogue loader fills an ES-deep ring with chunks [EPI_M, 
 during the MMAs (GConfig.nring=2: one ring and loader per consumer, no epi turn; measured slower). Per chunk, the
 consumer reads W/states from smem straight into the accumulator chunk's register layout, runs the rule, writes the
 results (and dW when STORE_GRAD) back into the slot and TMA-stores them; TMA zero-fills loads past N/K/M and clips
-stores, so ragged shapes need no masks.
+stores, so ragged shapes need no masks. Selectable, not picked (v8, not measured yet; NOTES_kernel.md v8,
+``v8_configs``): band chunks (GConfig.epi_m=8: rows 16 w + i of the wgmma layout, 256 B per row and box pair) and an
+out ring (GConfig.eout: slots freed right after their smem loads, results TMA-stored from a separate ring).
 
 Exactness: the rule's math is epilogue_codegen's generated code for the "cuda" target, i.e. the same per-op
 formulas (spelled-out FMAs, div_rn/sqrt_rn, libdevice, host reciprocals) the Triton kernel uses, compiled with
@@ -39,7 +41,8 @@ from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, l
 log = logging.getLogger(__name__)
 
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
-           "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "ENV", "AUTO_GLUON"]
+           "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "v8_configs", "ENV",
+           "AUTO_GLUON"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -116,13 +119,52 @@ def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, nu
 
 
 @gluon.jit
+def _chunk_row(c, NCC: gl.constexpr, EPI_M: gl.constexpr, NB: gl.constexpr):
+    # first row of chunk c in its tile; band chunks (NB > 1): band b = c // NCC holds rows b // 2 * 64 + b % 2 * 8
+    # + 16 w + i (w < 4, i < 8)
+    if NB > 1:
+        b = c // NCC
+        r = (b // 2) * 64 + (b % 2) * 8
+    else:
+        r = (c // NCC) * EPI_M
+    return r
+
+
+@gluon.jit
+def _tma_in(desc, rc, cc, bar, buf, NB: gl.constexpr):
+    # NB == 1: the chunk is one TMA box. NB > 1 (band chunks [32, EPI_N]): NB boxes [8, 32], i.e. per warp of the
+    # wgmma layout (rows 16 w ..) NB / 4 boxes side by side: 128 B each, the 128 B swizzle's width (triton 3.6
+    # splits wider boxes into such messages for loads but not for stores, so the split is spelled out here)
+    if NB > 1:
+        BOX_N: gl.constexpr = desc.block_type.shape[1]
+        for w in gl.static_range(4):
+            for h in gl.static_range(NB // 4):
+                tma.async_copy_global_to_shared(desc, [rc + 16 * w, cc + h * BOX_N], bar,
+                                                buf.slice(8 * w, 8).slice(h * BOX_N, BOX_N, dim=1))
+    else:
+        tma.async_copy_global_to_shared(desc, [rc, cc], bar, buf)
+
+
+@gluon.jit
+def _tma_out(desc, rc, cc, buf, NB: gl.constexpr):
+    if NB > 1:
+        BOX_N: gl.constexpr = desc.block_type.shape[1]
+        for w in gl.static_range(4):
+            for h in gl.static_range(NB // 4):
+                tma.async_copy_shared_to_global(desc, [rc + 16 * w, cc + h * BOX_N],
+                                                buf.slice(8 * w, 8).slice(h * BOX_N, BOX_N, dim=1))
+    else:
+        tma.async_copy_shared_to_global(desc, [rc, cc], buf)
+
+
+@gluon.jit
 def _epi_loader(w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, ES: gl.constexpr, NLOAD: gl.constexpr,
-                CID: gl.constexpr, NRING: gl.constexpr):
+                CID: gl.constexpr, NRING: gl.constexpr, NB: gl.constexpr):
     # NRING == 2: the loader of consumer CID's own ring (slots CID * ES ..), walking only that consumer's tiles;
     # NRING == 1: one ring for both consumers, every tile of the CTA in order (v6)
-    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
-    EPI_N: gl.constexpr = w_desc.block_type.shape[1]
+    EPI_M: gl.constexpr = 32 if NB > 1 else w_desc.block_type.shape[0]   # chunk rows / cols (NB: see _tma_in)
+    EPI_N: gl.constexpr = w_desc.block_type.shape[1] * (NB // 4) if NB > 1 else w_desc.block_type.shape[1]
     NCC: gl.constexpr = BK // EPI_N
     NCH: gl.constexpr = (BN // EPI_M) * NCC
     BASE: gl.constexpr = CID * ES
@@ -137,10 +179,11 @@ def _epi_loader(w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_t
             s = BASE + e % ES
             mbarrier.wait(e_empty.index(s), ((e // ES) & 1) ^ 1)
             bar = e_ready.index(s)
-            mbarrier.expect(bar, NLOAD * w_desc.block_type.nbytes)
-            rc = row0 + (c // NCC) * EPI_M
+            # TMA counts whole boxes, zero-filled past N/K, also for boxes entirely outside
+            mbarrier.expect(bar, NLOAD * NB * w_desc.block_type.nbytes)
+            rc = row0 + _chunk_row(c, NCC, EPI_M, NB)
             cc = col0 + (c % NCC) * EPI_N
-            tma.async_copy_global_to_shared(w_desc, [rc, cc], bar, w_bufs.index(s))
+            _tma_in(w_desc, rc, cc, bar, w_bufs.index(s), NB)
 {epi_loads}
             e += 1
 
@@ -163,6 +206,29 @@ def _split_chunks(x, NROW: gl.constexpr, NSPLIT: gl.constexpr):
 
 
 @gluon.jit
+def _split_bands(x, NCC: gl.constexpr):
+    # [128, 128] -> 4 * NCC band chunks [32, 128 / NCC], chunk (2 m + h) * NCC + j = rows m * 64 + h * 8 + 16 w + i
+    # (row 8 w + i of the chunk; w < 4, i < 8), columns from j * 128 / NCC. In the wgmma layout m is the
+    # M-repetition bit and h the row + 8 register bit, w the warp and i the lane's row: register-only, and each
+    # warp's part is one [8, 128 / NCC] box.
+    if NCC == 2:
+        y = x.reshape([2, 4, 2, 8, 2, x.shape[1] // 2]).permute(1, 3, 5, 4, 2, 0)
+    else:
+        y = x.reshape([2, 4, 2, 8, x.shape[1]]).permute(1, 3, 4, 2, 0)
+    LOG: gl.constexpr = 2 + (NCC == 2)
+    xs = (y, )
+    for _ in gl.static_range(LOG):
+        nxt = ()
+        for j in gl.static_range(len(xs)):
+            nxt += xs[j].split()
+        xs = nxt
+    out = ()
+    for j in gl.static_range(len(xs)):
+        out += (xs[j].reshape([32, xs[j].shape[2]]), )
+    return out
+
+
+@gluon.jit
 def _pick(xs, c, N: gl.constexpr):
     # xs[c] for a runtime c < N (N a power of 2): a tree of log2(N) selects per register
     LOG: gl.constexpr = N.bit_length() - 1
@@ -177,46 +243,66 @@ def _pick(xs, c, N: gl.constexpr):
 
 
 @gluon.jit
-def _epi_chunk(gch, c, e, base, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {state_bufs}g_bufs, e_ready, e_empty,
-               {scalar_params}BK: gl.constexpr, ES: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr):
-    # chunk c (ring entry e) of a tile's epilogue: W/states from the slot, the rule, results back into the slot,
-    # TMA stores; then the previous chunk's slot goes back to the epilogue loader
-    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
-    EPI_N: gl.constexpr = w_desc.block_type.shape[1]
+def _epi_chunk(gch, c, e, base, obase, row0, col0, w_desc, {state_descs}g_desc, w_bufs, {state_bufs}g_bufs,
+               wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, {scalar_params}BK: gl.constexpr, ES: gl.constexpr,
+               NST: gl.constexpr, STORE_GRAD: gl.constexpr, NB: gl.constexpr, EOUT: gl.constexpr):
+    # chunk c (ring entry e) of a tile's epilogue: W/states from the slot, the rule, TMA stores of the results.
+    # EOUT == 0: results go back into the slot, and the previous chunk's slot returns to the epilogue loader once
+    # its stores have read it. EOUT > 0: the slot returns as soon as its values are in registers, results leave
+    # through an EOUT-deep out ring, so the loader's reads do not wait for this chunk's math and stores.
+    EPI_M: gl.constexpr = 32 if NB > 1 else w_desc.block_type.shape[0]   # chunk rows / cols (NB: see _tma_in)
+    EPI_N: gl.constexpr = w_desc.block_type.shape[1] * (NB // 4) if NB > 1 else w_desc.block_type.shape[1]
     NCC: gl.constexpr = BK // EPI_N
-    rc = row0 + (c // NCC) * EPI_M
+    rc = row0 + _chunk_row(c, NCC, EPI_M, NB)
     cc = col0 + (c % NCC) * EPI_N
     s = base + e % ES
     mbarrier.wait(e_ready.index(s), (e // ES) & 1)
     p = w_bufs.index(s).load(gch.type.layout)
 {chunk_loads}
+    if EOUT > 0:
+        mbarrier.arrive(e_empty.index(s))
+        o = obase + e % EOUT
+        # out slot o's stores (EOUT chunks back, NST * NB bulk groups per chunk) have read it
+        tma.store_wait((EOUT - 1) * NST * NB)
+        w_out = wo_bufs.index(o)
+{chunk_out_slots}
+        g_out = go_bufs.index(o)
+        if STORE_GRAD:
+            # before the math: stored after it, the sm_90 compile spilled 36-52 B with dW
+            g_out.store(gch)
     {new_vars} = _rule(p, gch, {state_vars}{scalar_params})
-    w_bufs.index(s).store({new_p})
+    if EOUT == 0:
+        w_out = w_bufs.index(s)
+{chunk_in_slots}
+        g_out = g_bufs.index(s)
+    w_out.store({new_p})
 {chunk_stores}
-    if STORE_GRAD:
-        g_bufs.index(s).store(gch)
+    if STORE_GRAD and EOUT == 0:
+        g_out.store(gch)
     fence_async_shared()
-    tma.async_copy_shared_to_global(w_desc, [rc, cc], w_bufs.index(s))
+    _tma_out(w_desc, rc, cc, w_out, NB)
 {chunk_tma_stores}
     if STORE_GRAD:
-        tma.async_copy_shared_to_global(g_desc, [rc, cc], g_bufs.index(s))
-    # the previous chunk's stores have read their slot: hand it back (at c == 0 only this chunk's NST stores
-    # are in flight, the wait returns at once)
-    tma.store_wait(NST)
-    mbarrier.arrive(e_empty.index(base + (e + ES - 1) % ES), pred=c > 0)
+        _tma_out(g_desc, rc, cc, g_out, NB)
+    if EOUT == 0:
+        # the previous chunk's stores have read their slot: hand it back (at c == 0 only this chunk's stores are
+        # in flight, the wait returns at once)
+        tma.store_wait(NST * NB)
+        mbarrier.arrive(e_empty.index(base + (e + ES - 1) % ES), pred=c > 0)
 
 
 @gluon.jit
 def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-              w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+              w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn, epi_turn,
               {scalar_params}M, num_tiles, num_n, num_k,
               CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
-              NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr):
+              NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr, NB: gl.constexpr,
+              EOUT: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    EPI_M: gl.constexpr = w_desc.block_type.shape[0]
-    EPI_N: gl.constexpr = w_desc.block_type.shape[1]
+    EPI_M: gl.constexpr = 32 if NB > 1 else w_desc.block_type.shape[0]   # chunk rows / cols (NB: see _tma_in)
+    EPI_N: gl.constexpr = w_desc.block_type.shape[1] * (NB // 4) if NB > 1 else w_desc.block_type.shape[1]
     NCH: gl.constexpr = (BN // EPI_M) * (BK // EPI_N)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BK, 16])
@@ -225,6 +311,7 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
     ksteps = gl.cdiv(M, BMT)
     j = CID   # index of the tile in the CTA's list (this consumer: every other one)
     r = 0     # this consumer's round
+    obase = CID * EOUT if NRING == 2 else 0
     # Turn barriers (CUTLASS's order barrier): a consumer waits on a shared ring only after the other consumer
     # finished waiting on it for the previous tile. mbarrier waits compare phase parity only: without the turns
     # consumer 1 waits for a ring phase two phases ahead, which reads as complete at once (prototype run 1).
@@ -256,35 +343,49 @@ def _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, read
             e0 = r * NCH    # this consumer's tiles only
             base = CID * ES
 
-        gs = _split_chunks(acc, BN // EPI_M, BK // EPI_N)
-        if ROLL_EPILOGUE:
+        if NB > 1:
+            gs = _split_bands(acc, BK // EPI_N)
+        else:
+            gs = _split_chunks(acc, BN // EPI_M, BK // EPI_N)
+        if ROLL_EPILOGUE or NB > 1:
             # a rolled loop (runtime c, the chunk picked by selects): unrolled, each consumer held NCH copies of
             # the rule's code, 221 KB of SASS for AdamW (div.rn/sqrt.rn ~15 instructions + a slow-path branch
-            # each), more than the instruction cache holds (NOTES_kernel.md v6)
+            # each), more than the instruction cache holds (NOTES_kernel.md v6); band chunks (NB TMA messages per
+            # array per chunk) unrolled: Lion 154-156 KB, SGD-momentum 103-129 KB
             for c in range(NCH):
-                _epi_chunk(_pick(gs, c, NCH), c, e0 + c, base, row0, col0, w_desc, {state_descs}g_desc,
-                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}BK, ES, NST, STORE_GRAD)
+                _epi_chunk(_pick(gs, c, NCH), c, e0 + c, base, obase, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty,
+                           {scalar_params}BK, ES, NST, STORE_GRAD, NB, EOUT)
         else:
             for c in gl.static_range(NCH):
-                _epi_chunk(gs[c], c, e0 + c, base, row0, col0, w_desc, {state_descs}g_desc,
-                           w_bufs, {state_bufs}g_bufs, e_ready, e_empty, {scalar_params}BK, ES, NST, STORE_GRAD)
-        if NRING == 1:
-            mbarrier.arrive(epi_turn.index(1 - CID))
-        tma.store_wait(0)
-        mbarrier.arrive(e_empty.index(base + (e0 + NCH - 1) % ES))
+                _epi_chunk(gs[c], c, e0 + c, base, obase, row0, col0, w_desc, {state_descs}g_desc,
+                           w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty,
+                           {scalar_params}BK, ES, NST, STORE_GRAD, NB, EOUT)
+        if EOUT == 0:
+            if NRING == 1:
+                mbarrier.arrive(epi_turn.index(1 - CID))
+            tma.store_wait(0)
+            mbarrier.arrive(e_empty.index(base + (e0 + NCH - 1) % ES))
+        else:
+            # every slot is back already; with one ring the out ring is shared too, so its stores must have read
+            # it before the other consumer gets the turn and writes into it
+            tma.store_wait(0)
+            if NRING == 1:
+                mbarrier.arrive(epi_turn.index(1 - CID))
         j += 2
         r += 1
 
 
 @gluon.jit
 def _consumer1(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-               w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
+               w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn, epi_turn,
                {scalar_params}M, num_tiles, num_n, num_k,
                GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
-               NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr):
+               NST: gl.constexpr, STORE_GRAD: gl.constexpr, NRING: gl.constexpr, NB: gl.constexpr,
+               EOUT: gl.constexpr):
     _consumer(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-              w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-              {scalar_params}M, num_tiles, num_n, num_k, 1, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)
+              w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn, epi_turn,
+              {scalar_params}M, num_tiles, num_n, num_k, 1, GROUP, STAGES, ES, NST, STORE_GRAD, NRING, NB, EOUT)
 
 
 @gluon.jit
@@ -292,7 +393,8 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
                               NLOAD: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr,
-                              NRING: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              NRING: gl.constexpr, NB: gl.constexpr, EOUT: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -304,12 +406,29 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
     a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
     NSLOT: gl.constexpr = NRING * ES
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NSLOT] + w_desc.block_type.shape, w_desc.layout)
+    # slots of one array: [NSLOT, EPI_M, EPI_N] (band chunks: [NSLOT, 32, EPI_N], see _tma_in)
+    EPI_M: gl.constexpr = 32 if NB > 1 else w_desc.block_type.shape[0]
+    EPI_N: gl.constexpr = w_desc.block_type.shape[1] * (NB // 4) if NB > 1 else w_desc.block_type.shape[1]
+    SLOT: gl.constexpr = [NSLOT, EPI_M, EPI_N]
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, SLOT, w_desc.layout)
 {alloc_states}
-    if STORE_GRAD:
-        g_bufs = gl.allocate_shared_memory(g_desc.dtype, [NSLOT] + g_desc.block_type.shape, g_desc.layout)
+    if STORE_GRAD and EOUT == 0:
+        g_bufs = gl.allocate_shared_memory(g_desc.dtype, SLOT, g_desc.layout)
     else:
-        g_bufs = w_bufs   # never touched (STORE_GRAD off): no smem spent on it
+        g_bufs = w_bufs   # never touched: no smem spent on it
+    if EOUT > 0:
+        OSLOT: gl.constexpr = [NRING * EOUT, EPI_M, EPI_N]
+        wo_bufs = gl.allocate_shared_memory(w_desc.dtype, OSLOT, w_desc.layout)
+{alloc_out_states}
+        if STORE_GRAD:
+            go_bufs = gl.allocate_shared_memory(g_desc.dtype, OSLOT, g_desc.layout)
+        else:
+            go_bufs = wo_bufs
+    else:
+        # never touched (EOUT == 0: results go back into the input slots)
+        wo_bufs = w_bufs
+{alias_out_states}
+        go_bufs = w_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     e_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -329,30 +448,34 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
     if NRING == 1:
         gl.warp_specialize([
             (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                         w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                         {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+                         w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn,
+                         epi_turn, {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD,
+                         NRING, NB, EOUT)),
             (_consumer1, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                          w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                          {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+                          w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn,
+                          epi_turn, {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD,
+                          NRING, NB, EOUT)),
             (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                             STAGES)),
             (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
-                           BN, BK, GROUP, ES, NLOAD, 0, NRING)),
+                           BN, BK, GROUP, ES, NLOAD, 0, NRING, NB)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                         w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                         {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+                         w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn,
+                         epi_turn, {scalar_params}M, num_tiles, num_n, num_k, 0, GROUP, STAGES, ES, NST, STORE_GRAD,
+                         NRING, NB, EOUT)),
             (_consumer1, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
-                          w_bufs, {state_bufs}g_bufs, e_ready, e_empty, mma_turn, epi_turn,
-                          {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD, NRING)),
+                          w_bufs, {state_bufs}g_bufs, wo_bufs, {state_obufs}go_bufs, e_ready, e_empty, mma_turn,
+                          epi_turn, {scalar_params}M, num_tiles, num_n, num_k, GROUP, STAGES, ES, NST, STORE_GRAD,
+                          NRING, NB, EOUT)),
             (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                             STAGES)),
             (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
-                           BN, BK, GROUP, ES, NLOAD, 0, NRING)),
+                           BN, BK, GROUP, ES, NLOAD, 0, NRING, NB)),
             (_epi_loader, (w_desc, {state_descs}w_bufs, {state_bufs}e_ready, e_empty, num_tiles, num_n, num_k,
-                           BN, BK, GROUP, ES, NLOAD, 1, NRING)),
+                           BN, BK, GROUP, ES, NLOAD, 1, NRING, NB)),
         ], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
 '''
 
@@ -385,7 +508,7 @@ def render_gluon_source(ep: Epilogue) -> str:
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in ("p", *states)]
-    i12, i4 = " " * 12, " " * 4
+    i12, i8, i4 = " " * 12, " " * 8, " " * 4
     return _TEMPLATE.format(
         rule=ep.rule_name,
         roll=any(op in ep.body for op in _ROLL_OPS),
@@ -395,17 +518,20 @@ def render_gluon_source(ep: Epilogue) -> str:
         outputs=", ".join(_to_gluon(o) for o in ep.outputs),
         state_descs="".join(f"{s}_desc, " for s in states),
         state_bufs="".join(f"{s}_bufs, " for s in states),
-        epi_loads="\n".join(f"{i12}tma.async_copy_global_to_shared({s}_desc, [rc, cc], bar, "
-                            f"{s}_bufs.index(s))" for s in states),
+        state_obufs="".join(f"{s}_obufs, " for s in states),
+        epi_loads="\n".join(f"{i12}_tma_in({s}_desc, rc, cc, bar, {s}_bufs.index(s), NB)" for s in states),
         chunk_loads="\n".join(f"{i4}{s} = {s}_bufs.index(s).load(gch.type.layout)" for s in states),
         new_vars=", ".join(new_vars),
         new_p=new_vars[0],
-        chunk_stores="\n".join(f"{i4}{s}_bufs.index(s).store({v})" for s, v in zip(states, new_vars[1:])),
-        chunk_tma_stores="\n".join(f"{i4}tma.async_copy_shared_to_global({s}_desc, [rc, cc], "
-                                   f"{s}_bufs.index(s))" for s in states),
-        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, "
-                               f"[NSLOT] + w_desc.block_type.shape, "
-                               f"w_desc.layout)" for s in states),
+        chunk_out_slots="\n".join(f"{i8}{s}_out = {s}_obufs.index(o)" for s in states),
+        chunk_in_slots="\n".join(f"{i8}{s}_out = {s}_bufs.index(s)" for s in states),
+        chunk_stores="\n".join(f"{i4}{s}_out.store({v})" for s, v in zip(states, new_vars[1:])),
+        chunk_tma_stores="\n".join(f"{i4}_tma_out({s}_desc, rc, cc, {s}_out, NB)" for s in states),
+        alloc_states="\n".join(f"    {s}_bufs = gl.allocate_shared_memory(w_desc.dtype, SLOT, w_desc.layout)"
+                               for s in states),
+        alloc_out_states="\n".join(f"{i8}{s}_obufs = gl.allocate_shared_memory(w_desc.dtype, OSLOT, w_desc.layout)"
+                                   for s in states),
+        alias_out_states="\n".join(f"{i8}{s}_obufs = {s}_bufs" for s in states),
     )
 
 
@@ -452,11 +578,14 @@ class GConfig:
     bmt: int = 64          # tokens per GEMM stage
     bn: int = 128          # dW tile rows
     bk: int = 128          # dW tile cols
-    epi_m: int = 64        # epilogue chunk rows (128 or 64: 64 doubles the bytes per row of a TMA box of equal size)
+    epi_m: int = 64        # epilogue chunk rows (128 or 64: 64 doubles the bytes per row of a TMA box of equal size;
+    #                        8: band chunks [32, 64], per warp 8 rows x 256 B, as 2 boxes [8, 32] (v8, not measured))
     epi_n: int = 32        # epilogue chunk cols
     stages: int = 4        # GEMM ring depth
     es: int = 3            # epilogue ring depth (per ring)
     nring: int = 1         # 1: one epilogue ring shared by the consumers (epi turn); 2: one ring + loader each (v7)
+    eout: int = 0          # 0: results stored from the input slot; > 0: out ring depth (per ring), input slots freed
+    #                        right after their smem loads (v8, not measured)
     group: int = 8
     cregs: int = 232       # setmaxnreg of the consumer warpgroups
     maxnreg: int = 168
@@ -466,10 +595,20 @@ class GConfig:
 _RING_SMEM = 208 * 1024
 
 
-def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2) -> int:
-    """Bytes of the GEMM ring + the epilogue ring(s) (barriers not counted)."""
-    return (cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes
-            + cfg.nring * cfg.es * n_arrays * cfg.epi_m * cfg.epi_n * 4)
+def chunk_bytes(cfg: GConfig) -> int:
+    """Bytes of one fp32 epilogue chunk of one array (band chunks: 4 boxes)."""
+    return (4 if cfg.epi_m == 8 else 1) * cfg.epi_m * cfg.epi_n * 4
+
+
+def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bool = False) -> int:
+    """Bytes of the GEMM ring + the epilogue ring(s) (barriers not counted). ``n_arrays``: W, tensor states and dW
+    when stored (``store_grad``: whether it is among them; only the out ring holds dW when eout > 0)."""
+    ch = chunk_bytes(cfg)
+    if cfg.eout == 0:
+        epi = cfg.es * n_arrays * ch
+    else:
+        epi = cfg.es * (n_arrays - store_grad) * ch + cfg.eout * n_arrays * ch
+    return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + cfg.nring * epi
 
 
 @functools.lru_cache(maxsize=1024)    # called twice per launch; dataclasses.replace alone costs microseconds
@@ -507,6 +646,47 @@ def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfi
             if es >= 2:
                 out.append(dataclasses.replace(base, stages=stages, es=es))
     return out
+
+
+def v8_configs(m: int, n_arrays: int, act_bytes: int = 2, store_grad: bool = False) -> dict[str, GConfig]:
+    """(benchmarks, tests) pick_gconfig's config ("v7") and the v8 variants next to it, not picked by default (not
+    measured yet): same GEMM stages, epilogue slots as many as fit the same smem (2..6). "band": band chunks of 4
+    [8, 64] boxes (256 B rows, 16 elements per thread as [64, 32]); "out1"/"out2": input slots freed after their
+    smem loads, results through a 1/2-deep out ring; "band_out1": both. ``n_arrays`` as for pick_gconfig."""
+    base = pick_gconfig(m, n_arrays, act_bytes)
+    if base is None:
+        return {}
+    out = {"v7": base}
+    for name, kw in (("band", dict(epi_m=8, epi_n=64)), ("out1", dict(eout=1)), ("out2", dict(eout=2)),
+                     ("band_out1", dict(epi_m=8, epi_n=64, eout=1))):
+        for es in range(6, 1, -1):
+            cfg = dataclasses.replace(base, es=es, **kw)
+            if gconfig_smem(cfg, n_arrays, act_bytes, store_grad) <= _RING_SMEM:
+                out[name] = cfg
+                break
+    return out
+
+
+def _box(cfg: GConfig) -> list[int]:
+    # the epilogue's TMA box: the chunk, or for band chunks [8, 32] (_tma_in)
+    return [8, 32] if cfg.epi_m == 8 else [cfg.epi_m, cfg.epi_n]
+
+
+def _boxes(cfg: GConfig) -> int:
+    return 4 * (cfg.epi_n // 32) if cfg.epi_m == 8 else 1
+
+
+def _check_gconfig(cfg: GConfig):
+    # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
+    ok = cfg.bn == cfg.bk == 128 and cfg.nring in (1, 2) and cfg.es >= 1 and cfg.eout >= 0
+    if cfg.epi_m == 8:
+        # [32, 128] band chunks (512 B rows) hold 32 elements per thread: AdamW spilled 396 B (v8), not offered
+        ok = ok and cfg.epi_n == 64
+    else:
+        # boxes wider than 128 B: triton 3.6 would store only their first 128 B columns (see _tma_in)
+        ok = ok and cfg.epi_m in (64, 128) and cfg.epi_n in (8, 16, 32)
+    if not ok:
+        raise ValueError(f"unsupported Gluon config {cfg}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -619,7 +799,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
     act = gl.bfloat16 if act_dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bn], act),
             gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bk], act),
-            gl.NVMMASharedLayout.get_default_for([cfg.epi_m, cfg.epi_n], gl.float32))
+            gl.NVMMASharedLayout.get_default_for(_box(cfg), gl.float32))
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
@@ -637,16 +817,19 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     m = x.shape[0]
     epi = [weight, *tensor_states] + ([grad_out] if grad_out is not None else [])
     cfg = config or pick_gconfig(m, len(epi), x.element_size())
+    if config is not None:
+        _check_gconfig(cfg)
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
-    e_descs = [TensorDescriptor(t, [n, k], [k, 1], [cfg.epi_m, cfg.epi_n], e_l) for t in epi]
+    e_descs = [TensorDescriptor(t, [n, k], [k, 1], _box(cfg), e_l) for t in epi]
     g_desc = e_descs[-1] if grad_out is not None else e_descs[0]
     tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
     grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
     args = (dy_desc, x_desc, e_descs[0], *e_descs[1:1 + len(tensor_states)], g_desc, *scalars, m, n, k)
     opts = dict(GROUP=cfg.group, STAGES=cfg.stages, ES=cfg.es, NLOAD=1 + len(tensor_states), NST=len(epi),
-                STORE_GRAD=grad_out is not None, NRING=cfg.nring, CONSUMER_REGS=cfg.cregs, num_warps=4,
+                STORE_GRAD=grad_out is not None, NRING=cfg.nring, NB=_boxes(cfg), EOUT=cfg.eout,
+                CONSUMER_REGS=cfg.cregs, num_warps=4,
                 maxnreg=cfg.maxnreg,
                 # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
                 enable_fp_fusion=False)
