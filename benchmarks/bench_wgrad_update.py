@@ -218,10 +218,55 @@ def gluon_cases():
     return cases
 
 
+# ---- v8 sweep: the prepared Gluon variants (NOTES_kernel.md v8) against the default, one process -------------
+
+V8_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("adamw", 14336, 4096, (256, 2048)),
+            ("sgdm", 4096, 4096, (256, 1024, 4096)), ("lion", 4096, 4096, (256, 2048))]
+
+
+def v8_sweep(args, log):
+    """Times pick_gconfig's config ("v7") and each wg.v8_configs variant, medians of do_bench. Exactness first:
+    every variant bit-exact vs eager on its stored dW (the config fitted with the dW slot, as check_config launches
+    it) and, as timed (without dW), bit-identical to the default kernel's W/states (same GEMM, so the same dW).
+    Returns False when a check failed."""
+    from triton.testing import do_bench
+
+    def run(cfg, rule, w, dy_t, x, st, hp):
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        wg.launch(w1, dy_t, x, st1, hp, rule, config=cfg)
+        return w1, st1
+
+    all_ok = True
+    for kind, n, k, ms in V8_CASES:
+        for m in ms:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
+            na = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+            cfgs, cfgs_g = wg.v8_configs(m, na), wg.v8_configs(m, na + 1, 2, True)
+            ref_w, ref_st = run(cfgs["v7"], rule, w, dy_t, x, st, hp)
+            ok = {}
+            for name, cfg in cfgs.items():
+                good = name not in cfgs_g or check_config(
+                    rule, w, dy_t, x, st, hp, None,
+                    launch=lambda *a, c=cfgs_g[name], **kw: wg.launch(*a, **kw, config=c))[0]
+                w1, st1 = run(cfg, rule, w, dy_t, x, st, hp)
+                ok[name] = good and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
+                all_ok &= ok[name]
+            cells = []
+            for name, cfg in cfgs.items():   # timing updates w/st in place: after every check
+                t = do_bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg), warmup=10, rep=args.rep,
+                             return_mode="median")
+                cells.append(f"{name} {t:.4f}{'' if ok[name] else ' CHECK FAILED'} "
+                             f"(S{cfg.stages} ES{cfg.es} O{cfg.eout} {cfg.epi_m}x{cfg.epi_n})")
+            log(f"{kind} {n}x{k} M={m}: " + " | ".join(cells))
+            del w, dy_t, x, st, ref_w, ref_st
+            torch.cuda.empty_cache()
+    return all_ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon"])
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "v8"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -242,6 +287,13 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
+    if args.cases == "v8":
+        ok = v8_sweep(args, log)
+        log(f"checks {'OK' if ok else 'FAILED'}")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_v8.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return
     gpu_cfgs = [c for c in wt.CONFIGS if not c.startswith("interp")]
     sweep_cfgs = args.configs.split(",") if args.configs else gpu_cfgs
     short = [c for c in args.short.split(",") if c]

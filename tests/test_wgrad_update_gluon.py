@@ -7,7 +7,6 @@ to the Triton kernel, never fail.
 from __future__ import annotations
 
 import ast
-import os
 
 import pytest
 import torch
@@ -395,58 +394,3 @@ def test_unsupported_layout_falls_back_to_triton(force_gluon, monkeypatch):
     with torch.no_grad():
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e)
-
-
-# ---- v8 timing (opt-in: FORGE_V8_SWEEP=<output file>; benchmarks/NOTES_kernel.md v8 has the command) -----------
-
-V8_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("adamw", 14336, 4096, (256, 2048)),
-            ("sgdm", 4096, 4096, (256, 1024, 4096)), ("lion", 4096, 4096, (256, 2048))]
-
-
-@sm90
-@pytest.mark.skipif(not os.environ.get("FORGE_V8_SWEEP"), reason="timing sweep, opt-in (FORGE_V8_SWEEP=<file>)")
-def test_v8_sweep(force_gluon):
-    # Times pick_gconfig's config ("v7") and each v8 variant at the bench's inputs, one process, medians of
-    # do_bench. Exactness first: every variant bit-exact vs eager on its stored dW (config fitted with dW, as
-    # check_config launches it) and, as timed (without dW), bit-identical to the v7 kernel's W/states (same GEMM,
-    # so the same dW). Rows go to the file and to stdout.
-    import sys
-
-    from triton.testing import do_bench
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from bench_wgrad_update import check_config, make_inputs
-
-    def run(cfg, rule, w, dy_t, x, st, hp):
-        w1, st1 = w.clone(), [s.clone() for s in st]
-        wg.launch(w1, dy_t, x, st1, hp, rule, config=cfg)
-        return w1, st1
-
-    bad = []
-    with open(os.environ["FORGE_V8_SWEEP"], "a") as f:
-        for kind, n, k, ms in V8_CASES:
-            for m in ms:
-                rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m)
-                na = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
-                cfgs, cfgs_g = wg.v8_configs(m, na), wg.v8_configs(m, na + 1, 2, True)
-                ref_w, ref_st = run(cfgs["v7"], rule, w, dy_t, x, st, hp)
-                ok = {}
-                for name, cfg in cfgs.items():
-                    good = name not in cfgs_g or check_config(
-                        rule, w, dy_t, x, st, hp, None,
-                        launch=lambda *a, c=cfgs_g[name], **kw: wg.launch(*a, **kw, config=c))[0]
-                    w1, st1 = run(cfg, rule, w, dy_t, x, st, hp)
-                    ok[name] = good and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
-                    if not ok[name]:
-                        bad.append((kind, n, k, m, name))
-                cells = []
-                for name, cfg in cfgs.items():   # timing updates w/st in place: after every check
-                    t = do_bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg), warmup=10, rep=25,
-                                 return_mode="median")
-                    cells.append(f"{name} {t:.4f}{'' if ok[name] else ' CHECK FAILED'} "
-                                 f"(S{cfg.stages} ES{cfg.es} O{cfg.eout} {cfg.epi_m}x{cfg.epi_n})")
-                line = f"{kind} {n}x{k} M={m}: " + " | ".join(cells)
-                print(line, flush=True)
-                f.write(line + "\n")
-                f.flush()
-    assert not bad, bad
