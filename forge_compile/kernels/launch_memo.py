@@ -26,6 +26,7 @@ import collections
 import copy
 import dataclasses
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED", "LAST_ERROR"]
 
-# Switch for tests/benchmarks (and a kill switch: set False after an unexpected launcher failure).
-ENABLED = [True]
+# On unless FORGE_LAUNCH_MEMO=0; also switched off by an unexpected launcher failure. Tests/benchmarks flip it.
+ENABLED = [os.environ.get("FORGE_LAUNCH_MEMO", "1").strip() not in ("0", "false", "off", "no")]
 LAST_ERROR: list = [None]   # the exception that switched the fast path off (tests, diagnostics)
 _CAPACITY = 512
 _LOCK = threading.Lock()
