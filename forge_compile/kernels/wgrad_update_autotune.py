@@ -252,6 +252,8 @@ def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choic
     if hit is not None:
         counters["hit"] += 1
         return hit
+    if torch.cuda.is_current_stream_capturing():
+        return None   # timing (events, synchronize) cannot run inside a CUDA graph capture: untuned there
     cands = candidates(rule, weight, dy_t, x, states, grad_out)
     if len(cands) <= 1:
         choice = cands[0] if cands else None
