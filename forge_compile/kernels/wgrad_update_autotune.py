@@ -252,7 +252,7 @@ def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choic
     if hit is not None:
         counters["hit"] += 1
         return hit
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None   # timing (events, synchronize) cannot run inside a CUDA graph capture: untuned there
     cands = candidates(rule, weight, dy_t, x, states, grad_out)
     if len(cands) <= 1:
