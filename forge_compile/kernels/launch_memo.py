@@ -63,7 +63,6 @@ class _Entry:
     run: Callable[..., Any]      # CompiledKernel[grid]
     head: tuple                  # arguments before the scalars
     tail: tuple                  # arguments after them
-    n_scalars: int
     ep: Any                      # the rule's Epilogue (host_scalars needs it)
     scalar_idx: tuple[int, ...]  # positions of the scalar states in ``states``
     rule: Any                    # kept so that id(rule) in the key is never reused while the entry lives
@@ -165,7 +164,7 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
         return
     stripped = [_strip(a) for a in full]
     entry = _Entry(run=run, head=tuple(stripped[:pos]), tail=tuple(stripped[pos + len(scalars):]),
-                   n_scalars=len(scalars), ep=ep, scalar_idx=tuple(scalar_idx), rule=rule)
+                   ep=ep, scalar_idx=tuple(scalar_idx), rule=rule)
     with _LOCK:
         _ENTRIES[key] = entry
         if len(_ENTRIES) > _CAPACITY:

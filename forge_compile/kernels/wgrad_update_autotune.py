@@ -148,10 +148,8 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out) -> list[Choice]:
     m = x.shape[0]
     out = []
     if wg.use_gluon(weight, dy_t, x, states, rule, grad_out):
-        n_arrays = 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
-        gen = getattr(wg, "gconfig_candidates", None)
-        cfgs = gen(m, n_arrays, x.element_size()) if gen else [wg.pick_gconfig(m, n_arrays, x.element_size())]
-        out += [Choice("gluon", c) for c in cfgs if c is not None]
+        out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out),
+                                                                   x.element_size())]
     upcast = dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
     names = wt.tune_candidates(n, k, m, upcast)
     # beside the Gluon kernel only the Triton table's own pick: the other configs lost to both at every point
@@ -160,9 +158,14 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out) -> list[Choice]:
     return out
 
 
+def _n_arrays(rule: Rule, states, grad_out) -> int:
+    # fp32 [N, K] arrays a launch reads and writes: W, the tensor states, the stored dW
+    return 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
+
+
 def _scratch_rows(rule: Rule, weight, states, grad_out) -> int:
     n, k = weight.shape
-    n_arrays = 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
+    n_arrays = _n_arrays(rule, states, grad_out)
     cap = int(float(os.environ.get("FORGE_AUTOTUNE_MIB", "1024")) * 2**20)
     rows = cap // max(1, n_arrays * k * 4)
     if rows >= n:
@@ -181,16 +184,10 @@ def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, grad_
         launch_wgrad_update(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config)
 
 
-def _time_ms(fn: Callable[[], None], reps: int = 5) -> float:
-    fn()   # compile + warm-up
-    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in evs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) for a, b in evs)
-    return ts[len(ts) // 2]
+def _time_ms(fn: Callable[[], None]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
 def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Choice]) -> Choice | None:

@@ -445,6 +445,8 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
         mbarrier.init(mma_turn.index(i), count=1)
         mbarrier.init(epi_turn.index(i), count=1)
 
+    # Two spelled-out partition lists: the Gluon frontend takes the list only as a literal (a tuple of partitions
+    # bound to a name fails: 'cannot convert JITFunction to tensor'); two rings add consumer 1's epilogue loader.
     if NRING == 1:
         gl.warp_specialize([
             (_consumer, (dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, ready, empty,
