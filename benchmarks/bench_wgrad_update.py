@@ -25,6 +25,7 @@ update.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing as mp
@@ -218,17 +219,39 @@ def gluon_cases():
     return cases
 
 
-# ---- v8 sweep: the prepared Gluon variants (NOTES_kernel.md v8) against the default, one process -------------
+# ---- ring sweep: GEMM stage size/depth vs epilogue slots (NOTES_kernel.md v9), one process ----------------
 
-V8_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("adamw", 14336, 4096, (256, 2048)),
-            ("sgdm", 4096, 4096, (256, 1024, 4096)), ("lion", 4096, 4096, (256, 2048))]
+RING_CASES = [("adamw", 4096, 4096, (64, 256, 1024, 2048, 4096, 8192)), ("adamw", 14336, 4096, (256, 2048)),
+              ("sgdm", 4096, 4096, (256, 1024, 4096)), ("lion", 4096, 4096, (256, 2048))]
+RING_SMEM = (208 * 1024, 224 * 1024)   # pick_gconfig's ring budget, and closer to the 227 KB an SM has
 
 
-def v8_sweep(args, log):
-    """Times pick_gconfig's config ("v7") and each wg.v8_configs variant, medians of do_bench. Exactness first:
-    every variant bit-exact vs eager on its stored dW (the config fitted with the dW slot, as check_config launches
-    it) and, as timed (without dW), bit-identical to the default kernel's W/states (same GEMM, so the same dW).
-    Returns False when a check failed."""
+def ring_configs(m, n_arrays):
+    """{name: GConfig}: pick_gconfig's ("pick"), then (tokens per GEMM stage, GEMM stages) pairs with as many
+    [64, 32] epilogue slots as fit (2..8) in each smem budget of RING_SMEM."""
+    base = wg.pick_gconfig(m, n_arrays)
+    out = {"pick": base}
+    slot = n_arrays * base.epi_m * base.epi_n * 4
+    for budget in RING_SMEM:
+        for bmt, stages in ((64, 2), (64, 3), (64, 4), (32, 2), (32, 3), (32, 4), (32, 6)):
+            es = min(8, (budget - stages * bmt * (base.bn + base.bk) * 2) // slot)
+            cfg = dataclasses.replace(base, bmt=bmt, stages=stages, es=es)
+            if es >= 2 and cfg not in out.values():
+                out[f"b{bmt}s{stages}e{es}"] = cfg
+        # two rings (a loader and ring per consumer, the epilogues overlap): v7 measured them with 2 slots each,
+        # i.e. with no slot loading ahead (a consumer holds 2); here with as many as fit
+        for bmt, stages in ((32, 2), (64, 2), (32, 4)):
+            es = min(8, (budget - stages * bmt * (base.bn + base.bk) * 2) // (2 * slot))
+            cfg = dataclasses.replace(base, bmt=bmt, stages=stages, es=es, nring=2)
+            if es >= 3 and cfg not in out.values():
+                out[f"r2b{bmt}s{stages}e{es}"] = cfg
+    return out
+
+
+def ring_sweep(args, log):
+    """Every ring_configs layout per case, medians of do_bench, with the unfused step and (AdamW) its two parts
+    alone in the same process. Exactness first: each layout's W/states bit-identical to pick's (same wgmma order
+    over the tokens, so the same dW); pick itself bit-exact vs eager on its stored dW. False when a check failed."""
     from triton.testing import do_bench
 
     def run(cfg, rule, w, dy_t, x, st, hp):
@@ -237,26 +260,37 @@ def v8_sweep(args, log):
         return w1, st1
 
     all_ok = True
-    for kind, n, k, ms in V8_CASES:
+    cases = RING_CASES if not args.short else [(kind, n, k, [m for m in ms if m <= 1024])
+                                                for kind, n, k, ms in RING_CASES if kind != "lion"]
+    for kind, n, k, ms in cases:
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
             na = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
-            cfgs, cfgs_g = wg.v8_configs(m, na), wg.v8_configs(m, na + 1, 2, True)
-            ref_w, ref_st = run(cfgs["v7"], rule, w, dy_t, x, st, hp)
+            cfgs = ring_configs(m, na)
+            ok0 = check_config(rule, w, dy_t, x, st, hp, None, launch=wg.launch)[0]
+            ref_w, ref_st = run(cfgs["pick"], rule, w, dy_t, x, st, hp)
             ok = {}
             for name, cfg in cfgs.items():
-                good = name not in cfgs_g or check_config(
-                    rule, w, dy_t, x, st, hp, None,
-                    launch=lambda *a, c=cfgs_g[name], **kw: wg.launch(*a, **kw, config=c))[0]
                 w1, st1 = run(cfg, rule, w, dy_t, x, st, hp)
-                ok[name] = good and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
+                ok[name] = ok0 and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
                 all_ok &= ok[name]
-            cells = []
+            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+            cells = [f"unfused {do_bench(fn, warmup=10, rep=args.rep, return_mode='median'):.4f}"]
+            if kind == "adamw":
+                gr = wgrad_mm(dy_t, x)
+                cells.append(f"mm {do_bench(lambda: wgrad_mm(dy_t, x), warmup=10, rep=args.rep, return_mode='median'):.4f}")
+                wb, mb, vb, sb = w.clone(), st[1].clone(), st[2].clone(), torch.tensor(10.0, device="cuda")
+                t = do_bench(lambda: torch._fused_adamw_([wb], [gr], [mb], [vb], [], [sb], lr=1e-3, beta1=0.9,
+                                                         beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                                                         maximize=False), warmup=10, rep=args.rep,
+                             return_mode="median")
+                cells.append(f"adamw_alone {t:.4f}")
+                del gr, wb, mb, vb
             for name, cfg in cfgs.items():   # timing updates w/st in place: after every check
                 t = do_bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg), warmup=10, rep=args.rep,
                              return_mode="median")
-                cells.append(f"{name} {t:.4f}{'' if ok[name] else ' CHECK FAILED'} "
-                             f"(S{cfg.stages} ES{cfg.es} O{cfg.eout} {cfg.epi_m}x{cfg.epi_n})")
+                cells.append(f"{name} {t:.4f}{'' if ok[name] else ' CHECK FAILED'}"
+                             + (f" (b{cfg.bmt}s{cfg.stages}e{cfg.es})" if name == "pick" else ""))
             log(f"{kind} {n}x{k} M={m}: " + " | ".join(cells))
             del w, dy_t, x, st, ref_w, ref_st
             torch.cuda.empty_cache()
@@ -266,7 +300,7 @@ def v8_sweep(args, log):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "v8"])
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -287,11 +321,11 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases == "v8":
-        ok = v8_sweep(args, log)
+    if args.cases == "rings":
+        ok = ring_sweep(args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_v8.txt"), "w") as f:
+        with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return
     gpu_cfgs = [c for c in wt.CONFIGS if not c.startswith("interp")]
