@@ -3,8 +3,9 @@
 Semantics (the spec; ``reference_wgrad_update`` below is it in plain torch):
     dW = (dy_t.float() @ x.float())          # [N, M] @ [M, K] -> [N, K], fp32 accumulation
     weight, *states = rule.fn(weight, dW, *states, *hparams)   # written in place
-dW never exists as a whole tensor: the CPU impl builds one row block of it at a time, the CUDA impl
-keeps each dW tile in registers and applies the rule in the GEMM epilogue (kernels/wgrad_update_triton.py).
+dW never exists as a whole tensor: the CPU impl (kernels/wgrad_update_cpu.py) builds one block of it at a
+time, the CUDA impl keeps each dW tile in registers and applies the rule in the GEMM epilogue
+(kernels/wgrad_update_triton.py).
 
 Arguments:
 - weight [N, K] fp32, contiguous (the parameter, updated in place);
@@ -21,18 +22,11 @@ import logging
 import torch
 
 from ..optim.rule import get_rule
+from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
 
 __all__ = ["wgrad_update", "reference_wgrad_update", "cpu_block_shape"]
-
-# Bytes of dW that one CPU block may hold: small enough to stay in L2/L3 while the rule's element-wise ops
-# pass over it, large enough that each block's mm is efficient.
-_CPU_BLOCK_BYTES = 1 << 20
-# Rows of dW per block before the columns are split too: every row block's mm reads all of X (M x K), so
-# thin row blocks of a wide weight re-read X N/rows times (1 MiB blocks of a K=4096 weight are 64 rows: X read
-# 16 times for N=1024).
-_CPU_BLOCK_MIN_ROWS = 256
 
 
 def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
@@ -43,49 +37,6 @@ def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch
     return grad
 
 
-def cpu_block_shape(n_rows: int, n_cols: int) -> tuple[int, int]:
-    """(rows, cols) of the dW blocks the CPU impl builds one at a time (fp32, about _CPU_BLOCK_BYTES)."""
-    elems = _CPU_BLOCK_BYTES // 4
-    rows = max(1, min(n_rows, max(elems // max(1, n_cols), _CPU_BLOCK_MIN_ROWS)))
-    cols = max(1, min(n_cols, elems // rows))
-    return rows, cols
-
-
-def _wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None):
-    rule = get_rule(rule_name)
-    n, k = weight.shape
-    xf = x if x.dtype == torch.float32 else x.float()
-    rows, cols = cpu_block_shape(n, k)
-    tensor_idx = [i for i in range(len(states)) if not rule.is_scalar_state(i)]
-    scalar_idx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
-    scalar_in = [states[i].clone() for i in scalar_idx]   # every block starts from the old scalars
-    new_scalars = None
-    with torch.no_grad():
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            dy_blk = dy_t[r0:r1].float()
-            for c0 in range(0, k, cols):
-                c1 = min(k, c0 + cols)
-                blk = (slice(r0, r1), slice(c0, c1))
-                g = torch.mm(dy_blk, xf[:, c0:c1])
-                if grad_out is not None:
-                    grad_out[blk].copy_(g)
-                blk_states = list(states)
-                for i in tensor_idx:
-                    blk_states[i] = states[i][blk]
-                for j, i in enumerate(scalar_idx):
-                    blk_states[i] = scalar_in[j]
-                out = rule.fn(weight[blk], g, *blk_states, *hparams)
-                weight[blk].copy_(out[0])
-                for i in tensor_idx:
-                    states[i][blk].copy_(out[1 + i])
-                if new_scalars is None:
-                    new_scalars = [out[1 + i] for i in scalar_idx]
-        for j, i in enumerate(scalar_idx):
-            if new_scalars is not None:
-                states[i].copy_(new_scalars[j])
-
-
 def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> None:
     """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed."""
     _check(weight, dy_t, x, states, rule)
@@ -94,7 +45,7 @@ def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> 
 
         launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule), grad_out=grad_out)
     else:
-        _wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out)
+        wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out)
 
 
 def _interpret_on_cpu() -> bool:
