@@ -1,11 +1,13 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon] [--procs 8]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec] [--procs 8]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
 M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
 elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
+"rings" (NOTES_kernel.md v9) and "vec" (v10: the vector-load epilogue vs the default) time Gluon configs in one
+process, one line per case, bench_rings.txt / bench_vec.txt.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -297,10 +299,68 @@ def ring_sweep(args, log):
     return all_ok
 
 
+# ---- v10: the vector-load epilogue (GConfig.epi="vec") vs the default TMA-ring epilogue, one process ----------
+
+VEC_CASES = [("adamw", 4096, 4096, (64, 256, 1024, 2048, 8192)), ("adamw", 14336, 4096, (256, 2048)),
+             ("sgdm", 4096, 4096, (256, 2048)), ("lion", 4096, 4096, (256, 2048))]
+
+
+def vec_configs():
+    """{name: GConfig}: the vec epilogue with VEC_STAGES (6) GEMM stages, and 4 / 3 stages (at M <= 512 the
+    default runs 3 stages, above 4: the same GEMM ring depths as the default, with no epilogue ring)."""
+    return {f"vec_s{s}": wg.vec_config(stages=s) for s in (wg.VEC_STAGES, 4, 3)}
+
+
+def vec_sweep(args, log):
+    """Per case: the default (pick_gconfig) checked bit-exact vs eager on its stored dW; each vec config checked
+    the same way, and (timed without dW) its W/states bit-identical to the default's (same wgmma order over the
+    tokens, so the same dW); then every config timed (do_bench median, kernel alone), the unfused step too. One
+    line per case as it finishes. False when a check failed."""
+    from triton.testing import do_bench
+
+    def run(cfg, rule, w, dy_t, x, st, hp):
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        wg.launch(w1, dy_t, x, st1, hp, rule, config=cfg)
+        return w1, st1
+
+    all_ok = True
+    cfgs = vec_configs()
+    for kind, n, k, ms in VEC_CASES:
+        for m in ms:
+            t0 = time.time()
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
+            na = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+            pick = wg.pick_gconfig(m, na)
+            ok0 = check_config(rule, w, dy_t, x, st, hp, None, launch=wg.launch)[0]
+            ref_w, ref_st = run(None, rule, w, dy_t, x, st, hp)
+            ok = {"default": ok0}
+            for name, cfg in cfgs.items():
+                okc = check_config(rule, w, dy_t, x, st, hp, None,
+                                   launch=lambda *a, _c=cfg, **kw: wg.launch(*a, **kw, config=_c))[0]
+                w1, st1 = run(cfg, rule, w, dy_t, x, st, hp)
+                ok[name] = okc and torch.equal(w1, ref_w) and all(map(torch.equal, st1, ref_st))
+                all_ok &= ok[name]
+            all_ok &= ok0
+            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+            cells = [f"unfused {do_bench(fn, warmup=10, rep=args.rep, return_mode='median'):.4f}"]
+            times = {}
+            for name, cfg in (("default", None), *cfgs.items()):   # timing updates w/st in place: after the checks
+                times[name] = do_bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg), warmup=10,
+                                       rep=args.rep, return_mode="median")
+                cells.append(f"{name} {times[name]:.4f}{'' if ok[name] else ' CHECK FAILED'}"
+                             + (f" (b{pick.bmt}s{pick.stages}e{pick.es})" if name == "default" else ""))
+            best = min(cfgs, key=times.get)
+            cells.append(f"default/{best} {times['default'] / times[best]:.3f}  [{time.time() - t0:.0f} s]")
+            log(f"{kind} {n}x{k} M={m}: " + " | ".join(cells))
+            del w, dy_t, x, st, ref_w, ref_st
+            torch.cuda.empty_cache()
+    return all_ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings"])
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -321,8 +381,8 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases == "rings":
-        ok = ring_sweep(args, log)
+    if args.cases in ("rings", "vec"):
+        ok = (ring_sweep if args.cases == "rings" else vec_sweep)(args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:
