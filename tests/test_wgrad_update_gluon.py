@@ -420,7 +420,10 @@ def test_render_vec_every_rule(rule):
     # shared pieces: the same rule, tile order and GEMM loader in both modules; no epilogue ring in the vec one
     rule_src = tma.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
     assert rule_src == vec.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
-    assert "def _gemm_loader" in vec and "_epi_loader" not in vec and "e_ready" not in vec
+    for helper in ("_tile_coords", "_gemm_loader", "_tile_mma", "_split_chunks", "_pick"):
+        src = f"def {helper}("
+        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == vec.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    assert "_epi_loader" not in vec and "e_ready" not in vec
     assert "async_copy_shared_to_global" not in vec and "store_wait" not in vec and "epi_turn" not in vec
     n_states = len(ep.tensor_inputs) - 2
     assert vec.count("_nx = gl.load(") == n_states + 1 and vec.count("gl.store(") == n_states + 2
