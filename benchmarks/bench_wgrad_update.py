@@ -1,13 +1,14 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec] [--procs 8]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem] [--procs 8]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
 M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
 elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
-"rings" (NOTES_kernel.md v9) and "vec" (v10: the vector-load epilogue vs the default) time Gluon configs in one
-process, one line per case, bench_rings.txt / bench_vec.txt.
+"rings" (NOTES_kernel.md v9), "vec" (v10: the vector-load epilogue vs the default) and "smem" (v11: dW through smem,
+deep vector lookahead, vs the default) time Gluon configs in one process, one line per case, bench_rings.txt /
+bench_vec.txt / bench_smem.txt.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -311,11 +312,11 @@ def vec_configs():
     return {f"vec_s{s}": wg.vec_config(stages=s) for s in (wg.VEC_STAGES, 4, 3)}
 
 
-def vec_sweep(args, log):
-    """Per case: the default (pick_gconfig) checked bit-exact vs eager on its stored dW; each vec config checked
-    the same way, and (timed without dW) its W/states bit-identical to the default's (same wgmma order over the
-    tokens, so the same dW); then every config timed (do_bench median, kernel alone), the unfused step too. One
-    line per case as it finishes. False when a check failed."""
+def vec_sweep(args, log, cfgs=None):
+    """Per case: the default (pick_gconfig) checked bit-exact vs eager on its stored dW; each vec config (or each of
+    ``cfgs``) checked the same way, and (timed without dW) its W/states bit-identical to the default's (same wgmma
+    order over the tokens, so the same dW); then every config timed (do_bench median, kernel alone), the unfused
+    step too. One line per case as it finishes. False when a check failed."""
     from triton.testing import do_bench
 
     def run(cfg, rule, w, dy_t, x, st, hp):
@@ -324,7 +325,7 @@ def vec_sweep(args, log):
         return w1, st1
 
     all_ok = True
-    cfgs = vec_configs()
+    cfgs = cfgs or vec_configs()
     for kind, n, k, ms in VEC_CASES:
         for m in ms:
             t0 = time.time()
@@ -357,10 +358,26 @@ def vec_sweep(args, log):
     return all_ok
 
 
+# ---- v11: dW through smem, deep vector lookahead (GConfig.epi="smem") vs the default, one process --------------
+
+def smem_configs():
+    """{name: GConfig}: r{rows per chunk}a{chunks ahead}s{GEMM stages}. [16, 128] x 2 ahead with 3 stages (the
+    default smem_config, 96 registers of AdamW lookahead), half the lookahead two ways ([8, 128] x 2, [16, 128] x 1),
+    and 2 GEMM stages (the GEMM ring the dW tiles leave room for is shallower than the default's 3-4)."""
+    return {f"smem_r{r}a{a}s{s}": wg.smem_config(rows=r, ahead=a, stages=s)
+            for r, a, s in ((16, 2, 3), (8, 2, 3), (16, 1, 3), (16, 2, 2))}
+
+
+def smem_sweep(args, log):
+    """vec_sweep's cases and checks with the smem configs (v11). False when a check failed."""
+    return vec_sweep(args, log, smem_configs())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec"])
+    ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
+                                                                 "smem"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -381,8 +398,8 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec"):
-        ok = (ring_sweep if args.cases == "rings" else vec_sweep)(args, log)
+    if args.cases in ("rings", "vec", "smem"):
+        ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

@@ -472,3 +472,109 @@ def test_gluon_vec_int64_offsets(force_gluon):
     for s, e in zip(st, st_e):
         if s.dim():
             assert torch.equal(s, e)
+
+
+# ---- v11: dW through smem, deep vector lookahead (GConfig.epi="smem"; selectable, never picked) ---------------
+
+SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(rows=8),
+                "smem_r16a1s3": wg.smem_config(ahead=1), "smem_r16a2s2": wg.smem_config(stages=2)}
+
+
+def test_smem_config_not_default_and_fits():
+    for n_arrays in range(1, 6):
+        for m in (64, 256, 1024, 8192):
+            assert wg.pick_gconfig(m, n_arrays).epi == "tma"
+            assert all(c.epi == "tma" for c in wg.gconfig_candidates(m, n_arrays))
+    for name, cfg in SMEM_LAYOUTS.items():
+        wg._check_gconfig(cfg)
+        assert cfg.epi == "smem" and cfg.epi_n == 128, name
+        # GEMM ring + the two consumers' fp32 dW tiles; 227 KB per CTA on sm_90 (the compile adds < 1 KB)
+        assert wg.gconfig_smem(cfg, 4, 2, True) <= 224 * 1024, name
+    assert wg.gconfig_smem(wg.smem_config(), 3) == 3 * 32 * 1024 + 2 * 64 * 1024
+    assert wg.smem_config().stages == wg.SMEM_STAGES
+
+
+def test_check_gconfig_refuses_smem_combinations():
+    # [8|16, 128] row chunks, 1-2 chunks ahead, 2-3 GEMM stages, one GEMM ring and no epilogue ring
+    ok = dict(epi="smem", epi_m=16, epi_n=128, stages=3, es=0, ahead=2)
+    wg._check_gconfig(wg.GConfig(**ok))
+    for bad in (dict(epi_m=32), dict(epi_m=4), dict(epi_m=64), dict(epi_n=32), dict(ahead=0), dict(ahead=3),
+                dict(stages=1), dict(stages=4), dict(nring=2), dict(eout=1), dict(bn=64), dict(bmt=32)):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
+    for kw in (dict(rows=32), dict(ahead=3), dict(stages=4)):
+        with pytest.raises(ValueError):
+            wg.smem_config(**kw)
+
+
+def test_smem_ahead_fits_the_register_budget():
+    # registers of lookahead per thread (rows x ahead x arrays: rows / 4 x 4 fp32 each) capped at SMEM_AHEAD_REGS:
+    # AdamW (W, m, v) keeps [16, 128] x 2 = 96 registers; 3 tensor states (4 arrays) drop to 1 chunk ahead
+    cfg = wg.smem_config()
+    assert wg.smem_ahead(cfg, 2) == wg.smem_ahead(cfg, 3) == 2 and wg.smem_ahead(cfg, 4) == 1
+    assert wg.smem_ahead(wg.smem_config(rows=8), 4) == 2 and wg.smem_ahead(wg.smem_config(ahead=1), 1) == 1
+    for rows in (8, 16):
+        for ahead in (1, 2):
+            for n_load in range(1, 5):
+                a = wg.smem_ahead(wg.smem_config(rows=rows, ahead=ahead), n_load)
+                assert 1 <= a <= ahead and (a == 1 or rows * a * n_load <= wg.SMEM_AHEAD_REGS)
+
+
+@pytest.mark.parametrize("rule", CATALOGUE + [RULES["adamw_fma"], RULES["clampy"]], ids=lambda r: r.name)
+def test_render_smem_every_rule(rule):
+    ep = compile_epilogue(rule, "cuda")
+    tma, smem = wg.render_gluon_source(ep), wg.render_gluon_source(ep, "smem")
+    ast.parse(smem)
+    # shared pieces: the same rule, tile order, GEMM loader and tile GEMM as the tma module
+    rule_src = tma.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
+    assert rule_src == smem.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
+    for helper in ("_tile_coords", "_gemm_loader", "_tile_mma"):
+        src = f"def {helper}("
+        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == smem.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    assert "_epi_loader" not in smem and "e_ready" not in smem and "epi_turn" not in smem
+    assert "async_copy_shared_to_global" not in smem and "convert_layout" not in smem
+    n_states = len(ep.tensor_inputs) - 2
+    # W + states loaded in _smem_load; W + states + dW stored in _smem_step
+    assert smem.count("gl.load(") == n_states + 1 and smem.count("gl.store(") == n_states + 2
+
+
+@sm90
+@pytest.mark.parametrize("layout", list(SMEM_LAYOUTS))
+@pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
+def test_gluon_smem_exact_ragged(force_gluon, layout, name):
+    # ragged N/K/M (masked rows/columns of the last tiles), 5 CTAs: both consumers, many rounds, the lookahead past
+    # a consumer's last tile
+    _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=SMEM_LAYOUTS[layout])
+
+
+@sm90
+@pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
+def test_gluon_smem_exact_full_layer(force_gluon, name):
+    _check_exact(RULES[name], 4096, 4096, 1024, config=wg.smem_config())
+
+
+@sm90
+@pytest.mark.parametrize("name", ["adamw_fma", "clampy", "rmsprop_cm"])
+def test_gluon_smem_exact_other_rules(force_gluon, name):
+    _check_exact(RULES[name], 1000, 776, 333, max_ctas=3, config=wg.smem_config())
+
+
+@sm90
+def test_gluon_smem_int64_offsets(force_gluon):
+    # BIG (int64 element offsets, chosen when N * K passes 2^31) forced on a small layer: same results
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
+    grad = torch.full_like(w, float("nan"))
+    w_e, st_e = w.clone(), [s.clone() for s in st]
+    kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, grad, config=wg.smem_config(),
+                                                 max_ctas=5)
+    assert opts["BIG"] is False
+    kernel[grid](*args, **{**opts, "BIG": True})
+    torch.cuda.synchronize()
+    assert not grad.isnan().any()
+    with torch.no_grad():
+        rule.apply(w_e, grad, [s for s in st_e], hp)
+    assert torch.equal(w, w_e)
+    for s, e in zip(st, st_e):
+        if s.dim():
+            assert torch.equal(s, e)

@@ -28,6 +28,13 @@ consumers' epilogues overlap. [32, 32] because the rolled loop keeps the accumul
 chunks spilled. The module is rendered from the same pieces (_HEAD: _rule, _tile_coords, _gemm_loader, _tile_mma;
 _SPLITS) as the tma kernel's.
 
+v11, selectable and NOT picked (GConfig(epi="smem"), ``smem_config()``; prepared on CPU, not yet measured; v10
+measured slower than the TMA ring at M <= 256, latency-bound with one [32, 32] chunk of loads in flight): each
+consumer stores its accumulator into its own [128, 128] fp32 smem tile (2 x 64 KB; 2-3 GEMM stages), which frees
+the accumulator's registers for the whole epilogue; the epilogue walks [R, 128] row chunks (R 8 or 16) in a
+16-byte-vector blocked layout, W/states loaded ``ahead`` (1-2) chunks before their math, the lookahead carried into
+the consumer's next tile; same _rule, masks, int64 offsets and K % 8 hint as v10.
+
 Exactness: the rule's math is epilogue_codegen's generated code for the "cuda" target, i.e. the same per-op
 formulas (spelled-out FMAs, div_rn/sqrt_rn, libdevice, host reciprocals) the Triton kernel uses, compiled with
 ``enable_fp_fusion=False``: W/states are bit-identical to eager ``rule.fn`` on the dW the kernel computed.
@@ -53,7 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
-           "AUTO_GLUON", "vec_config", "VEC_STAGES"]
+           "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
+           "smem_ahead", "SMEM_AHEAD_REGS"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -73,7 +81,8 @@ class GluonUnsupported(Exception):
 
 # The kernel modules are rendered from pieces: _HEAD (imports, the rule, tile order, GEMM loader, a tile's GEMM) and
 # _SPLITS (register-only chunk splits of the accumulator) are shared; _TMA_LOADERS + _TMA_KERNEL are the TMA-ring
-# epilogue (GConfig.epi="tma", the default), _VEC_KERNEL the vector-load epilogue (epi="vec", v10). _TEMPLATE is the
+# epilogue (GConfig.epi="tma", the default), _VEC_KERNEL the vector-load epilogue (epi="vec", v10), _SMEM_KERNEL
+# (after _HEAD alone) dW through smem (epi="smem", v11). _TEMPLATE is the
 # tma kernel's module in its historical order; the only change to its text in v10 is _tile_mma factored out of
 # _consumer, and its sm_90 SASS is instruction-for-instruction the same as before (every catalogue rule, NOTES v10).
 _HEAD = '''\
@@ -667,6 +676,165 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 '''
 
 
+# v11 (GConfig.epi="smem"): the dW tile leaves the registers through shared memory. Each consumer stores its
+# accumulator into its own [128, 128] fp32 smem buffer right after the GEMM, so the 128 accumulator registers are
+# dead for the whole epilogue (v10 kept them live: only one [32, 32] chunk of W/states loads fitted in flight, and
+# it measured slower than the TMA ring at M <= 256, latency-bound). The epilogue then walks row chunks [R, 128]
+# (R = epi_m: 8 or 16) in a 16-byte-vector blocked layout (a warp reads/writes whole 512 B rows), with the W/states
+# loads of AHEAD chunks (1 or 2) in flight ahead of the math, carried into the consumer's next tile (so the first
+# chunks of a tile arrive during its GEMM). Partitions as for "vec": the two consumers + the GEMM loader.
+_SMEM_KERNEL = '''\
+@gluon.jit
+def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr,
+                GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr):
+    # element offsets and mask of rows c * R .. c * R + R - 1 of tile t in layout L ([R, BK]); tiles past the end
+    # (the lookahead after a consumer's last tile) are masked off
+    pid_n, pid_k = _tile_coords(gl.minimum(t, num_tiles - 1), num_n, num_k, GROUP)
+    rows = pid_n * BN + c * R + gl.arange(0, R, layout=gl.SliceLayout(1, L))
+    cols = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, L))
+    msk = ((rows < N) & (t < num_tiles))[:, None] & (cols < K)[None, :]
+    if BIG:
+        offs = rows.to(gl.int64)[:, None] * K + cols[None, :]
+    else:
+        offs = rows[:, None] * K + cols[None, :]
+    return offs, msk
+
+
+@gluon.jit
+def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr,
+               R: gl.constexpr, GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr):
+    # W and the tensor states of chunk c of tile t (16-byte vectors), as one tuple
+    offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
+    return (gl.load(w_ptr + offs, mask=msk), {smem_state_loads})
+
+
+@gluon.jit
+def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles, num_n, num_k, N, K,
+               BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr,
+               L: gl.constexpr, BIG: gl.constexpr, STORE_GRAD: gl.constexpr):
+    # chunk c of tile t. ahead[0] holds its W/states (loaded AHEAD chunks earlier), ahead[1:] the following chunks'.
+    # First the loads of chunk c + AHEAD (in this tile or in this consumer's next one, 2 * nprog tiles on), then
+    # dW from smem, the rule and the stores. Returns the lookahead shifted by one chunk.
+    NCH: gl.constexpr = BN // R
+    nxt = _smem_load(t + ((c + AHEAD) // NCH) * 2 * nprog, (c + AHEAD) % NCH, w_ptr, {state_ptrs}num_tiles,
+                     num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
+    {carry} = ahead[0]
+    g = dw.index(c).load(L)
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params})
+    offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
+    gl.store(w_ptr + offs, {new_p}, mask=msk)
+{vec_stores}
+    if STORE_GRAD:
+        gl.store(g_ptr + offs, g, mask=msk)
+    return ahead[1:] + (nxt, )
+
+
+@gluon.jit
+def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
+                   {scalar_params}M, N, K, num_tiles, num_n, num_k,
+                   CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
+                   R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr):
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    NCH: gl.constexpr = BN // R
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BK, 16])
+    # 16-byte vectors, a warp per 512 B row (R / 4 rows per thread): the probe's fastest streaming layout
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    # dw, this consumer's [BN, BK] dW tile (the accumulator's store), viewed as [NCH, R, BK] row chunks for the
+    # loop's runtime chunk index: the same bytes, as the swizzle depends only on the row mod 4 and R % 4 == 0
+    # (a [NCH, R, BK] allocation reshaped to [BN, BK] aborted triton 3.6's compiler; _reinterpret is Gluon's
+    # private spelling of a memdesc view with another shape)
+    dw_chunks = dw._reinterpret(gl.float32, [NCH, R, BK], dw.type.layout)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ksteps = gl.cdiv(M, BMT)
+    j = CID   # index of the tile in the CTA's list (this consumer: every other one)
+    r = 0     # this consumer's round
+    # the first tile's chunks 0 .. AHEAD - 1: loaded before its GEMM
+    t0 = pid + CID * nprog
+    ahead = ()
+    for d in gl.static_range(AHEAD):
+        ahead += (_smem_load(t0, d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG), )
+    for t in range(t0, num_tiles, 2 * nprog):
+        # the GEMM ring is shared: mma turn as in the tma kernel's _consumer
+        turn_ph = (r & 1) ^ (1 - CID)
+        it0 = j * ksteps
+        acc = _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID, STAGES, acc_layout)
+        # Only this warpgroup touches dw, so warpgroup barriers suffice (in a partition, bar.sync on its named
+        # barrier, 128 threads). Before the store, the compiler's shared-memory barrier analysis puts one (the
+        # previous tile's chunk loads, WAR). After it, this explicit one (RAW): left to the analysis, the barrier
+        # lands inside the chunk loop, one per chunk, as the loop's entry carries the pending store.
+        dw.store(acc)
+        gl.thread_barrier()
+        # a rolled loop for every rule: the chunk is addressed at run time (smem index, offsets), no selects
+        # needed (v10's _pick); unrolled, Lion with dW spilled 48 B at [16, 128] x 2 and its SASS was 2.5x larger
+        for c in range(NCH):
+            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles,
+                               num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD)
+        j += 2
+        r += 1
+
+
+@gluon.jit
+def _smem_consumer1(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
+                    {scalar_params}M, N, K, num_tiles, num_n, num_k,
+                    GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
+                    R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr):
+    _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
+                   {scalar_params}M, N, K, num_tiles, num_n, num_k, 1, GROUP, STAGES, STORE_GRAD, R, AHEAD, BIG)
+
+
+@gluon.jit
+def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
+                              {scalar_params}M, N, K,
+                              GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
+                              R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(num_warps == 4)
+    gl.static_assert(BN % R == 0 and R % 4 == 0)
+    # 16-byte vectors need 16-byte aligned rows: K % 8 == 0 (gluon_reason; the TMA descriptors need it too)
+    K = gl.multiple_of(K, 8)
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = num_n * num_k
+
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
+    # the consumers' dW tiles (2 x 64 KB). Swizzle: 32 B units (8 fp32) XOR-permuted by row mod 4 within each
+    # 128 B. The accumulator's store (st.shared.v2: a half-warp writes 4 rows x 32 B of one column block) then hits
+    # 4 different 32 B bank groups, and the chunk loads (ld.shared.v4, a warp reads one whole 512 B row) stay
+    # contiguous per 16 B: both conflict-free (gl.bank_conflicts: 0 and 0; unswizzled rows 512 B apart put the 8
+    # rows of a store on the same banks, 3 excess wavefronts; a 16 B-unit swizzle by row mod 8 still 1)
+    dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
+    dw0 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
+    dw1 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(mma_turn.index(i), count=1)
+
+    gl.warp_specialize([
+        (_smem_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw0,
+                          {scalar_params}M, N, K, num_tiles, num_n, num_k, 0, GROUP, STAGES, STORE_GRAD, R, AHEAD,
+                          BIG)),
+        (_smem_consumer1, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn,
+                           dw1, {scalar_params}M, N, K, num_tiles, num_n, num_k, GROUP, STAGES, STORE_GRAD, R,
+                           AHEAD, BIG)),
+        (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                        STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+'''
+
+
 # tl.* spellings of epilogue_codegen ("cuda" target) -> gl.*; gl's elementwise math is the same builtins
 # (triton.language.math / core), so the lowering, and the rounding, is identical.
 _GL_SUBS = [
@@ -691,7 +859,7 @@ def _to_gluon(code: str) -> str:
 
 def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
-    epilogue (the default kernel), "vec" the vector-load one (v10)."""
+    epilogue (the default kernel), "vec" the vector-load one (v10), "smem" dW through smem (v11)."""
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
@@ -707,6 +875,14 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
         new_vars=", ".join(new_vars),
         new_p=new_vars[0],
     )
+    if epi == "smem":
+        return (_HEAD + _SMEM_KERNEL).format(
+            **common,
+            carry="".join(f"{v}, " for v in ("p", *states)),
+            state_ptrs="".join(f"{s}_ptr, " for s in states),
+            smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk), " for s in states),
+            vec_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk)" for s, v in zip(states, new_vars[1:])),
+        )
     if epi == "vec":
         return (_HEAD + _SPLITS + _VEC_KERNEL).format(
             **common,
@@ -742,7 +918,7 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-_VEC_SOURCES: dict[str, str] = {}     # rule -> its epi="vec" module
+_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" module
 _KERNELS: dict[str | tuple[str, str], object] = {}   # rule (epi "tma") or (rule, epi) -> kernel
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
@@ -761,16 +937,17 @@ def _source_for(rule: Rule):
     return hit
 
 
-def _vec_source(rule: Rule) -> str:
-    # the epi="vec" module (v10): rendered on demand, never by gluon_reason (the rule renders for "tma" first)
+def _epi_source(rule: Rule, epi: str) -> str:
+    # the epi="vec" (v10) / "smem" (v11) module: rendered on demand, never by gluon_reason (the rule renders for
+    # "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
         raise GluonUnsupported(why)
-    hit = _VEC_SOURCES.get(rule.name)
+    hit = _EPI_SOURCES.get((rule.name, epi))
     if hit is None:
-        hit = render_gluon_source(ep, "vec")
+        hit = render_gluon_source(ep, epi)
         with _LOCK:
-            _VEC_SOURCES.setdefault(rule.name, hit)
+            _EPI_SOURCES.setdefault((rule.name, epi), hit)
     return hit
 
 
@@ -781,8 +958,8 @@ def _kernel_for(rule: Rule, epi: str = "tma"):
         ep, src, why = _source_for(rule)
         if src is None:
             raise GluonUnsupported(why)
-        if epi == "vec":
-            src = _vec_source(rule)
+        if epi != "tma":
+            src = _epi_source(rule, epi)
         kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{ep.source_key}")
         kern = kern.wgrad_update_gluon_kernel
         with _LOCK:
@@ -813,7 +990,10 @@ class GConfig:
     maxnreg: int = 168
     epi: str = "tma"       # epilogue data path: "tma" (the ring above); "vec" (v10, not picked): W/states loaded
     #                        and stored by the consumers with 16-byte vectors, one [32, 32] chunk ahead, no
-    #                        epilogue ring or loader (es, nring, eout unused; epi_m = epi_n = 32); vec_config()
+    #                        epilogue ring or loader (es, nring, eout unused; epi_m = epi_n = 32); vec_config();
+    #                        "smem" (v11, not picked): dW tile stored to smem, [epi_m, 128] row chunks with 16-byte
+    #                        vectors, `ahead` chunks of loads in flight; smem_config()
+    ahead: int = 1         # epi="smem": chunks of W/states loads in flight ahead of the math (1 or 2)
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -843,9 +1023,12 @@ def chunk_bytes(cfg: GConfig) -> int:
 def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bool = False) -> int:
     """Bytes of the GEMM ring + the epilogue ring(s) (barriers not counted). ``n_arrays``: W, tensor states and dW
     when stored (``store_grad``: whether it is among them; only the out ring holds dW when eout > 0). epi="vec":
-    the GEMM ring + each consumer's convert_layout scratch (one fp32 chunk)."""
+    the GEMM ring + each consumer's convert_layout scratch (one fp32 chunk); epi="smem": the GEMM ring + each
+    consumer's fp32 dW tile."""
     if cfg.epi == "vec":
         return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.epi_m * cfg.epi_n * 4
+    if cfg.epi == "smem":
+        return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.bn * cfg.bk * 4
     ch = chunk_bytes(cfg)
     if cfg.eout == 0:
         epi = cfg.es * n_arrays * ch
@@ -902,6 +1085,35 @@ def vec_config(stages: int = VEC_STAGES) -> GConfig:
     return cfg
 
 
+# v11 (epi="smem", prepared on CPU, not measured, not picked): 2 x 64 KB of dW tiles leave room for 3 GEMM stages
+# (96 KB; 224.1 KB in all on sm_90); [16, 128] chunks, 2 chunks of lookahead
+SMEM_STAGES = 3
+
+
+# Registers per consumer thread for the lookahead (rows / 4 x 4 fp32 per array and chunk): it is live across the
+# next tile's GEMM, next to the accumulator's 128. sm_90 compiles (NOTES v11): 64 and 96 (AdamW [16, 128] x 2)
+# never spilled; 128 (Adam-amsgrad / RMSprop-centered-momentum [16, 128] x 2) spilled 488-780 B.
+SMEM_AHEAD_REGS = 96
+
+
+def smem_ahead(cfg: GConfig, n_load: int) -> int:
+    """Chunks of lookahead a launch uses: cfg.ahead, lowered (to 1 at the least) until the lookahead of ``n_load``
+    arrays (W + tensor states) fits SMEM_AHEAD_REGS."""
+    return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * n_load)))
+
+
+def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES) -> GConfig:
+    """The v11 epilogue (GConfig.epi="smem"): dW through each consumer's smem tile, [rows, 128] chunks with
+    ``ahead`` chunks of W/states loads in flight (at most: ``smem_ahead`` lowers it for rules with 3 tensor states),
+    ``stages`` GEMM stages; for benchmarks and tests (``config=``). No epilogue ring (es/nring/eout unused, es=0)."""
+    # setmaxnreg 240 for the consumers: the lookahead stays live across the next tile's GEMM, next to the 128
+    # accumulator registers (AdamW [16, 128] x 2 ahead spilled 8 B at 232, 44 B at 248, where the compiler then
+    # gives the default partition only 232; 0 at 240, both consumers 240)
+    cfg = GConfig(epi="smem", stages=stages, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240)
+    _check_gconfig(cfg)
+    return cfg
+
+
 def _box(cfg: GConfig) -> list[int]:
     # the epilogue's TMA box: the chunk, or for band chunks [8, 32] (_tma_in)
     return [8, 32] if cfg.epi_m == 8 else [cfg.epi_m, cfg.epi_n]
@@ -921,6 +1133,15 @@ def _check_gconfig(cfg: GConfig):
         if not (cfg.bn == cfg.bk == 128 and cfg.epi_m == 32 and cfg.epi_n == 32 and cfg.nring == 1
                 and cfg.eout == 0 and cfg.stages >= 2):
             raise ValueError(f"unsupported Gluon config {cfg} (epi='vec': [32, 32] chunks, nring=1, eout=0)")
+        return
+    if cfg.epi == "smem":
+        # _smem_consumer: [R, 128] row chunks, R 8 or 16 (R / 4 rows x 4 fp32 per thread and array), 1-2 chunks
+        # of lookahead, one GEMM ring (2 or 3 stages: 2 x 64 KB of dW tiles + 3 x 32 KB = 224 KB of 227). [32, 128]
+        # chunks spilled for AdamW in a sm_90 compile even with one chunk ahead (404 B; 1,352 B with dW)
+        if not (cfg.bn == cfg.bk == 128 and cfg.bmt == 64 and cfg.epi_m in (8, 16) and cfg.epi_n == 128
+                and cfg.ahead in (1, 2) and cfg.nring == 1 and cfg.eout == 0 and cfg.stages in (2, 3)):
+            raise ValueError(f"unsupported Gluon config {cfg} (epi='smem': [8|16, 128] chunks, ahead 1-2, "
+                             "2-3 GEMM stages, nring=1, eout=0)")
         return
     if cfg.epi != "tma":
         raise ValueError(f"Gluon config {cfg}: unknown epilogue data path {cfg.epi!r}")
@@ -1073,6 +1294,18 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
+    if cfg.epi == "smem":
+        kernel = _kernel_for(rule, "smem")
+        tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
+        grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
+        args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
+                m, n, k)
+        # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
+        big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
+        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=grad_out is not None, R=cfg.epi_m,
+                    AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
+                    maxnreg=cfg.maxnreg, enable_fp_fusion=False)
+        return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec")
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
