@@ -299,12 +299,20 @@ def run_worker(cfg: dict, res: dict) -> dict:
         times = []
         if device.type == "cuda":
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
+            host = []
             sync(device)
+            t_all = time.perf_counter()
             for (s, e), (x, y) in zip(ev, batches):
+                t0 = time.perf_counter()
                 s.record()
                 loss = step(x, y)
                 e.record()
+                host.append((time.perf_counter() - t0) * 1e3)
             sync(device)
+            # Host-bound when the host's time per step (enqueue, no sync) reaches the device's: then the events
+            # measure the host. wall_ms = the whole loop (sync'd) per step: a second view of the same rate.
+            res.update(host_ms=host, host_median_ms=statistics.median(host),
+                       wall_ms=(time.perf_counter() - t_all) * 1e3 / len(batches))
             times = [s.elapsed_time(e) for s, e in ev]
         else:
             for x, y in batches:
@@ -484,7 +492,9 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
             row.update(median_ms=ms, run_medians_ms=run_ms.get((route, mb), []),
                        tokens_per_s=mb * cfg["seq_len"] / (ms / 1e3) if ms else None,
                        peak_bytes=r.get("peak_bytes"), first_step_s=r.get("first_step_s"),
-                       adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"])
+                       adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
+                       host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
+                       check_losses=r.get("check_losses"))
             if route != "baseline":
                 row["fused_linear"] = r["fused_linear"]
                 row["all_linear_fused"] = r["fused_linear"] == r["linear_weights"]
@@ -652,7 +662,9 @@ def render(cfg, analysis, results, header):
             f"steps ({'CUDA events' if cfg['device'].startswith('cuda') else 'perf_counter'}; compile steps "
             f"excluded), fresh random token batches. loss check: max |loss - baseline loss| over the first "
             f"{cfg['check_steps']} steps on one fixed random batch, tolerance {analysis['loss_tol']:g} nats "
-            "(the baseline's own loss drop over those steps in brackets).", ""]
+            "(the baseline's own loss drop over those steps in brackets). notes: host = median time the host "
+            "takes to enqueue one timed step (no sync; host-bound when it reaches the median), wall = the timed "
+            "loop's wall time per step, synchronized at both ends.", ""]
     body = []
     for r in rows:
         if r["status"] != "ok":
@@ -670,7 +682,11 @@ def render(cfg, analysis, results, header):
                      f"{r['tokens_per_s']:,.0f}", "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
                      _g(r.get("peak_bytes")), fusedcol, loss,
                      f"compile step {r['first_step_s']:.0f} s" + ("" if r.get("adamw_fused", True)
-                                                                  else "; AdamW fused=False")])
+                                                                  else "; AdamW fused=False")
+                     + (f"; host {r['host_median_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms/step"
+                        if r.get("host_median_ms") is not None and r.get("wall_ms") is not None else "")
+                     + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
+                        if r.get("check_losses") else "")])
     out.append(_table(["route", "mb", "tokens/step", "status", "median ms", "tokens/s", "speedup",
                        f"peak {u}", "linear fused", "loss check", "notes"], body))
     return "\n".join(out)
