@@ -1039,8 +1039,26 @@ def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bo
 
 @functools.lru_cache(maxsize=1024)    # called twice per launch; dataclasses.replace alone costs microseconds
 def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
-    """Ring depths for M and the number of fp32 [EPI_M, EPI_N] arrays per epilogue slot (W, tensor states, dW when
-    stored); None when even 2 GEMM stages and 2 slots do not fit (the caller then takes the Triton kernel).
+    """The configuration for M tokens and ``n_arrays`` fp32 arrays the epilogue streams (W, tensor states, dW
+    when stored); None when nothing fits (the caller then takes the Triton kernel).
+
+    v11's smem epilogue (dW through smem, two [16, 128] chunks of loads in flight) where the H200 measured it
+    faster: 3 arrays (AdamW's W, exp_avg, exp_avg_sq) at M <= 1024 with 2-byte activations -- AdamW 4096x4096
+    M=64/256/1024 0.1150/0.1206/0.1429 ms vs the TMA ring's 0.1238/0.1300/0.1497 (4.8-7.8 %), 14336x4096 M=256
+    6.7 %; it lost from M=2048 on (8-35 %: 3 GEMM stages) and for the 2-array rules (SGD-momentum, Lion: 1 %
+    slower at M=256, whose TMA ring runs 8 slots); not measured with 4 or more arrays. Else the TMA ring
+    (``_pick_tma``). NOTES_kernel.md v11.
+    """
+    if n_arrays == 3 and m <= _SMALL_M:
+        cfg = smem_config()
+        if gconfig_smem(cfg, n_arrays, act_bytes) <= _RING_SMEM:    # fp32 activations: 3 GEMM stages do not fit
+            return cfg
+    return _pick_tma(m, n_arrays, act_bytes)
+
+
+def _pick_tma(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
+    """TMA-ring epilogue: ring depths for M and the number of fp32 [EPI_M, EPI_N] arrays per epilogue slot (W,
+    tensor states, dW when stored); None when even 2 GEMM stages and 2 slots do not fit.
 
     H200: 3 GEMM stages at M <= 512, 4 above (v4-v7: 4 stages 2-10 % slower at M=256, 3 stages 10-25 % slower
     from M=2048 on; v9: 2 stages or 32 tokens per stage, for more slots, 1-50 % slower from M=256 on); slots as
@@ -1059,8 +1077,12 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
 def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfig]:
     """Configurations worth timing for a launch (wgrad_update_autotune): pick_gconfig's, then the same layout with
     the other GEMM ring depth (3 or 4 stages, slots as many as fit) -- the one knob whose best value moved with M
-    in every sweep (v4-v7); the chunk layouts and two rings lost everywhere and are not worth compiling."""
-    base = pick_gconfig(m, n_arrays, act_bytes)
+    in every sweep (v4-v7); the chunk layouts and two rings lost everywhere and are not worth compiling. Where
+    the pick is the smem epilogue (v11): it, then the TMA ring's pick (their margin was 5-8 %)."""
+    pick = pick_gconfig(m, n_arrays, act_bytes)
+    base = _pick_tma(m, n_arrays, act_bytes)
+    if pick is not None and pick.epi == "smem":
+        return [pick] + ([base] if base is not None else [])
     if base is None:
         return []
     out = [base]
