@@ -54,7 +54,8 @@ from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .kernels import wgrad_update as _register_fused_op  # noqa: F401  (registers forge::wgrad_update_)
-from .optim.translate import HparamTensors, hparam_values, plan_optimizer, prepare_states
+from .optim.translate import (HparamTensors, flush_step_mirrors, hparam_values, plan_optimizer, prepare_states,
+                              step_for_forge)
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -249,13 +250,18 @@ def _group_snapshot(group):
 
 
 class _Entry:
-    __slots__ = ("plan", "with_states", "param", "state", "states", "hparams", "reads")
+    __slots__ = ("plan", "with_states", "param", "state", "raw", "states", "step_idx", "hparams", "reads")
 
     def __init__(self, plan, with_states):
         self.plan, self.with_states = plan, with_states
         self.param = plan.param.detach()      # shares storage and version counter with the parameter
         self.state = None                     # the opt.state[p] dict the cached states came from
+        # the objects in that dict: ``states`` differs from them where a fused/capturable group's device
+        # ``step`` is read through its CPU mirror (translate._step_for_forge)
+        self.raw = []
         self.states = []
+        rs = plan.rule.states
+        self.step_idx = rs.index("step") if "step" in rs else None
         self.hparams = HparamTensors()
         self.reads = 0                        # slow-path reads so far (see _Extras.tensors)
 
@@ -299,16 +305,21 @@ class _Extras:
             pl = e.plan
             st = opt.state.get(pl.param)
             same_states = (st is e.state and st is not None
-                           and all(st.get(n) is t for n, t in zip(pl.rule.states, e.states)))
+                           and all(st.get(n) is t for n, t in zip(pl.rule.states, e.raw)))
             if e.reads < self._SLOW_READS or not same_states:
                 self._slow_read(e)
-            elif pl.group_index in groups_changed:
-                # past the first steps the values depend on the group only (a scheduler changed lr)
-                key = (pl.group_index, pl.rule.name)
-                values = shared.get(key)
-                if values is None:
-                    values = shared[key] = [float(v) for v in hparam_values(opt, pl)]
-                e.hparams.update(values)
+            else:
+                if e.step_idx is not None:
+                    # the mirror of a device step is re-read if something else advanced the step, and
+                    # its write-back after this update is queued here (flush_step_mirrors)
+                    e.states[e.step_idx] = step_for_forge(opt, pl, st)
+                if pl.group_index in groups_changed:
+                    # past the first steps the values depend on the group only (a scheduler changed lr)
+                    key = (pl.group_index, pl.rule.name)
+                    values = shared.get(key)
+                    if values is None:
+                        values = shared[key] = [float(v) for v in hparam_values(opt, pl)]
+                    e.hparams.update(values)
             out.extend(e.states)
             out.extend(e.hparams.tensors)
         return out
@@ -317,6 +328,7 @@ class _Extras:
         opt, pl = self.opt, e.plan
         e.states = list(prepare_states(opt, pl))
         e.state = opt.state.get(pl.param)
+        e.raw = [e.state.get(n) for n in pl.rule.states]
         e.hparams.update(hparam_values(opt, pl))
         e.reads += 1
 
@@ -728,6 +740,9 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
         args.clear()
         full.extend(extras.tensors())
         out = compiled(full)
+        # a fused/capturable group's device ``step`` was advanced through its CPU mirror: write it back, so
+        # opt.state (checkpoints, a later unfused opt.step()) counts the steps forge took
+        flush_step_mirrors()
         tracker.updated.update(fused_names)
         tracker.deferred.update(fused_grad_ids)
         counters["fused_backward"] += 1

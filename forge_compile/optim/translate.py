@@ -83,9 +83,13 @@ _STEP_MIRRORS = WeakIdKeyDictionary()     # device step -> [cpu mirror, device v
 _PENDING_FLUSH: dict = {}                 # id(device step) -> (device step, mirror)
 
 
+def _uses_mirror(group, p) -> bool:
+    return _device_step_group(group) and p.device.type != "cpu"
+
+
 def _step_for_forge(state, group, p):
     s = state["step"]
-    if not (_device_step_group(group) and p.device.type != "cpu"):
+    if not _uses_mirror(group, p):
         return _cpu_step(state)
     if not (isinstance(s, torch.Tensor) and s.dim() == 0 and s.device == p.device):
         s = state["step"] = torch.tensor(_as_float(s), dtype=torch.float32, device=p.device)
@@ -94,6 +98,13 @@ def _step_for_forge(state, group, p):
         entry = _STEP_MIRRORS[s] = [torch.tensor(float(s), dtype=torch.float32), s._version]
     _PENDING_FLUSH[id(s)] = (s, entry[0])
     return entry[0]
+
+
+def step_for_forge(optimizer: torch.optim.Optimizer, plan, state) -> torch.Tensor:
+    """What ``prepare_states`` puts at the ``step`` position for ``plan`` (``state`` = its
+    ``optimizer.state`` dict): the step itself, or a fused/capturable group's CPU mirror with its
+    write-back queued for ``flush_step_mirrors`` -- for callers that cache the other states."""
+    return _step_for_forge(state, optimizer.param_groups[plan.group_index], plan.param)
 
 
 def flush_step_mirrors() -> None:
