@@ -302,6 +302,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
             host = []
             sync(device)
             t_all = time.perf_counter()
+            cpu_thread, cpu_proc = time.thread_time(), time.process_time()
             for (s, e), (x, y) in zip(ev, batches):
                 t0 = time.perf_counter()
                 s.record()
@@ -311,14 +312,23 @@ def run_worker(cfg: dict, res: dict) -> dict:
             sync(device)
             # Host-bound when the host's time per step (enqueue, no sync) reaches the device's: then the events
             # measure the host. wall_ms = the whole loop (sync'd) per step: a second view of the same rate.
+            n = len(batches)
+            # CPU time this thread / the process spent per step: a host-bound step whose thread CPU time is
+            # well below its host time was waiting (descheduled, contended), not working
             res.update(host_ms=host, host_median_ms=statistics.median(host),
-                       wall_ms=(time.perf_counter() - t_all) * 1e3 / len(batches))
+                       wall_ms=(time.perf_counter() - t_all) * 1e3 / n,
+                       thread_cpu_ms=(time.thread_time() - cpu_thread) * 1e3 / n,
+                       process_cpu_ms=(time.process_time() - cpu_proc) * 1e3 / n,
+                       cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                       loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]
         else:
             for x, y in batches:
                 t0 = time.perf_counter()
                 loss = step(x, y)
                 times.append((time.perf_counter() - t0) * 1e3)
+        if cfg.get("cprofile"):
+            _profile_steps(step, batches, device, cfg["result_path"] + ".cprofile.txt")
         last = float(loss)
         res.update(step_ms=times, median_ms=statistics.median(times), last_timed_loss=last,
                    compiles=_compile_count(route, step), launch_memo=_memo_counters(),
@@ -351,6 +361,26 @@ def _compile_count(route, step):
 def _device_batch(mb, seq, vocab, device, gen):
     idx = torch.randint(0, vocab, (mb, seq + 1), device=device, generator=gen)
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def _profile_steps(step, batches, device, path):
+    """cProfile of the timed batches run once more (host time by function; --cprofile)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for x, y in batches:
+        step(x, y)
+    sync(device)
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(60)
+    with open(path, "w") as f:
+        f.write(f"cProfile over {len(batches)} steps\n" + buf.getvalue())
 
 
 def worker_main(config_path):
@@ -494,6 +524,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        peak_bytes=r.get("peak_bytes"), first_step_s=r.get("first_step_s"),
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
                        host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
+                       thread_cpu_ms=r.get("thread_cpu_ms"),
                        check_losses=r.get("check_losses"))
             if route != "baseline":
                 row["fused_linear"] = r["fused_linear"]
@@ -685,6 +716,7 @@ def render(cfg, analysis, results, header):
                                                                   else "; AdamW fused=False")
                      + (f"; host {r['host_median_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms/step"
                         if r.get("host_median_ms") is not None and r.get("wall_ms") is not None else "")
+                     + (f", thread CPU {r['thread_cpu_ms']:.2f} ms/step" if r.get("thread_cpu_ms") is not None else "")
                      + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
                         if r.get("check_losses") else "")])
     out.append(_table(["route", "mb", "tokens/step", "status", "median ms", "tokens/s", "speedup",
@@ -720,6 +752,8 @@ def parse_args(argv):
     p.add_argument("--forge-adamw-fused", choices=("auto", "on", "off"), default="auto",
                    help="AdamW(fused=...) in the forge routes; auto: True unless forge refuses it (printed)")
     p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
+    p.add_argument("--cprofile", action="store_true",
+                   help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")
     p.add_argument("--repeat", type=int, default=1,
                    help="time every (route, micro-batch) in this many processes (median of their medians)")
     args = p.parse_args(argv)
@@ -745,7 +779,7 @@ def main(argv=None):
     cfg = dict(device=args.device, fp32=bool(args.fp32), d_model=args.d_model, layers=args.layers,
                heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
-               forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat)
+               forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile))
     lines = []
 
     def log(s):

@@ -104,7 +104,7 @@ def test_failed_runs_are_rows_not_crashes():
 def test_cpu_smoke_run_of_main(tmp_path, capsys):
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2",
-                          "--warmup", "1", "--iters", "2", "--time-budget", "600"])
+                          "--warmup", "1", "--iters", "2", "--time-budget", "600", "--cprofile"])
     printed = capsys.readouterr().out
     runs = {r["route"]: r for r in summary["runs"]}
     assert set(runs) == {"baseline", "step", "backend"}
@@ -130,4 +130,7 @@ def test_cpu_smoke_run_of_main(tmp_path, capsys):
     tail = [l for l in printed.splitlines() if l.strip()]
     assert tail[-1].startswith("written:") and tail[-3].startswith("| step ") and tail[-2].startswith("| backend ")
     assert sorted(os.listdir(out / "runs")) == sorted(
-        f"{r}_mb2{ext}" for r in ("baseline", "step", "backend") for ext in (".json", ".config.json"))
+        f"{r}_mb2{ext}" for r in ("baseline", "step", "backend")
+        for ext in (".json", ".config.json", ".json.cprofile.txt"))
+    prof = (out / "runs" / "step_mb2.json.cprofile.txt").read_text()
+    assert prof.startswith("cProfile over 2 steps") and "capture.py" in prof
