@@ -3,6 +3,7 @@
   python benchmarks/bench_train_step.py --out DIR              # H200: all routes, all micro-batches
   python benchmarks/bench_train_step.py --quick --out DIR      # first run: 2 layers, fewer steps, no verification
   python benchmarks/bench_train_step.py --device cpu --tiny    # CI smoke size (tests/test_bench_train_step.py)
+  python benchmarks/bench_train_step.py --wide --out DIR       # d_model 4096, 4 layers, 1-2 sequences per step
 
 Model: ``Llama`` from examples/train_lm.py (pre-norm RMSNorm, rotary, causal SDPA, SwiGLU, untied lm_head),
 fp32 master weights, bf16 autocast on CUDA (fp32 on CPU), AdamW(lr, betas (0.9, 0.95), weight decay 0.1 on
@@ -65,6 +66,11 @@ PRESETS = {
                  check_steps=3, warmup=3, iters=20, verify_budget=True),
     "quick": dict(d_model=2048, layers=2, heads=16, d_ff=5632, vocab=32000, seq_len=1024, mbs="2,8",
                   check_steps=3, warmup=3, iters=20, verify_budget=False),
+    # Llama-7B widths, 4 layers (~1.07 B parameters, 3.4 GB of fp32 linear dW): per token, 4x the weight bytes of
+    # the quick/full models, so at fine-tuning token counts the optimizer's traffic is a larger share of a step
+    # (where FORGE can win end to end; the full model at 2048 tokens was host-bound, RESULTS e2e run 7)
+    "wide": dict(d_model=4096, layers=4, heads=32, d_ff=11008, vocab=32000, seq_len=1024, mbs="1,2",
+                 check_steps=3, warmup=3, iters=20, verify_budget=False),
     "tiny": dict(d_model=64, layers=1, heads=2, d_ff=128, vocab=128, seq_len=16, mbs="2",
                  check_steps=3, warmup=1, iters=2, verify_budget=False),
 }
@@ -732,6 +738,7 @@ def parse_args(argv):
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="2 layers, micro-batches 2 and 8, no verification runs")
     size.add_argument("--tiny", action="store_true", help="CI smoke size (use with --device cpu)")
+    size.add_argument("--wide", action="store_true", help="d_model 4096, 4 layers, micro-batches 1 and 2")
     p.add_argument("--routes", default=",".join(ROUTES))
     p.add_argument("--mbs", help="micro-batches (sequences per step), comma-separated")
     for k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len", "check_steps", "warmup", "iters"):
@@ -757,7 +764,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, default=1,
                    help="time every (route, micro-batch) in this many processes (median of their medians)")
     args = p.parse_args(argv)
-    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"]
+    preset = PRESETS["tiny" if args.tiny else "quick" if args.quick else "wide" if args.wide else "full"]
     for k, val in preset.items():
         if getattr(args, k, None) is None:
             setattr(args, k, val)
