@@ -1,6 +1,6 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem] [--procs 8]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -8,7 +8,9 @@ M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096
 elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
 "rings" (NOTES_kernel.md v9), "vec" (v10: the vector-load epilogue vs the default) and "smem" (v11: dW through smem,
 deep vector lookahead, vs the default) time Gluon configs in one process, one line per case, bench_rings.txt /
-bench_vec.txt / bench_smem.txt.
+bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64..8192 and 14336x4096 M=2048, the
+default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue alone (M=64) vs cuBLAS / torch's
+fused AdamW, bench_overlap.txt.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -373,11 +375,131 @@ def smem_sweep(args, log):
     return vec_sweep(args, log, smem_configs())
 
 
+# ---- overlap diagnostic: the kernel's GEMM schedule alone (GConfig.epi="gemm") vs the fused kernel, one process ----
+
+OVERLAP_CASES = [(4096, 4096, (64, 256, 1024, 2048, 4096, 8192)), (14336, 4096, (64, 2048))]
+OVERLAP_M0 = 64   # the epilogue-alone reference: the GEMM is ~4 % of the work there (NOTES_kernel.md v9)
+
+
+def check_gemm_sums(w, dy_t, x, st, hp, rule, cfg, ref=None):
+    """(ok, worst error / bound) of the epi="gemm" kernel: its per-tile row sums of dW vs the fp64 product, and
+    W/states untouched. The bound is 1e-4 x the sum of |dW| over the same 128 elements, not a relative error of
+    the sum itself: the kernel sums each row's 128 fp32 elements in its own (shuffle-tree) order after an fp32
+    accumulation over M in wgmma order, torch in others, so the sums differ by rounding of the order of
+    2^-24 * sqrt(M) * sum|dW| (~1e-6 of it here); a row sum of random values can cancel to ~0, where any relative
+    tolerance fails. A skipped 64-token step or a misplaced tile moves a sum by percents of that bound's scale."""
+    n, k = w.shape
+    sums = torch.full(wg.gemm_sums_shape(n, k, cfg), float("nan"), device=w.device)
+    w1, st1 = w.clone(), [s.clone() for s in st]
+    wg.launch(w1, dy_t, x, st1, hp, rule, grad_out=sums, config=cfg)
+    if ref is None:
+        ref = dy_t.double() @ x.double()
+    rows, nk = sums.shape
+    pad = torch.zeros(rows, nk * cfg.bk, dtype=torch.float64, device=w.device)
+    pad[:n, :k] = ref
+    pad = pad.view(rows, nk, cfg.bk)
+    err = (sums.double() - pad.sum(-1)).abs()
+    bound = 1e-4 * pad.abs().sum(-1)    # rows past N: 0, and the kernel must store exactly 0 there
+    untouched = torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st))
+    ok = bool((err <= bound).all()) and untouched
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    return ok, worst
+
+
+def overlap_sweep(args, log):
+    """Where the fused kernel's time goes: per case (AdamW, bf16), medians of do_bench in one process of the unfused
+    step, cuBLAS's mm alone, torch._fused_adamw_ alone, the default kernel (pick_gconfig, no dW), the GEMM-only
+    diagnostic with the default's GEMM layout (gemm_same: its bmt and stages) and with 4 stages (gemm_s4). At
+    M=OVERLAP_M0 also the epilogue alone: every config the default picks at this shape's M, timed at M=64.
+    overlap = (gemm_same + epi_alone - default) / min(gemm_same, epi_alone), epi_alone = the default's config at
+    M=64: 1 = the shorter of GEMM and epilogue fully hidden, 0 = nothing overlaps (default = their sum).
+    Checks first: the default bit-exact vs eager on its stored dW (check_config), each timed kernel config's W
+    (timed without dW) bit-identical to that; the gemm configs' row sums vs fp64 (check_gemm_sums). One line per
+    case as it finishes. False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    def name(cfg):
+        if cfg.epi == "smem":
+            return f"smem_r{cfg.epi_m}a{cfg.ahead}s{cfg.stages}"
+        if cfg.epi == "gemm":
+            return f"gemm_b{cfg.bmt}s{cfg.stages}"
+        return f"{cfg.epi}_b{cfg.bmt}s{cfg.stages}e{cfg.es}"
+
+    all_ok = True
+    rows = []
+    epi_alone = {}    # (n, k, cfg) -> ms at M=OVERLAP_M0
+    for n, k, ms in OVERLAP_CASES:
+        for m in ms:
+            t0 = time.time()
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, n, k, m, seed=m)
+            pick = wg.pick_gconfig(m, 3)
+            gcfg = {"gemm_same": wg.gemm_config(stages=pick.stages, bmt=pick.bmt), "gemm_s4": wg.gemm_config(4)}
+            # the epilogue-alone references: the configs the default uses at this shape's M values, at M=64
+            epis = list(dict.fromkeys(wg.pick_gconfig(mm, 3) for mm in ms)) if m == OVERLAP_M0 else []
+            ok0, rel, exact, w_chk = check_config(rule, w, dy_t, x, st, hp, None, launch=wg.launch)
+            ok = {}
+            for cfg in dict.fromkeys([pick, *epis]):
+                w1, st1 = w.clone(), [s.clone() for s in st]
+                wg.launch(w1, dy_t, x, st1, hp, rule, config=cfg)
+                ok[cfg] = ok0 and torch.equal(w1, w_chk)
+                del w1, st1
+            ref = dy_t.double() @ x.double()
+            worst = {}
+            for key, cfg in gcfg.items():
+                ok[cfg], worst[key] = check_gemm_sums(w, dy_t, x, st, hp, rule, cfg, ref)
+            del ref, w_chk
+            all_ok &= all(ok.values())
+            fn, _ = make_unfused("adamw", rule, w, dy_t, x, st, hp)
+            t = {"unfused": bench(fn), "mm": bench(lambda: wgrad_mm(dy_t, x))}
+            gr = wgrad_mm(dy_t, x)
+            wb, mb, vb, sb = w.clone(), st[1].clone(), st[2].clone(), torch.tensor(10.0, device="cuda")
+            t["adamw_alone"] = bench(lambda: torch._fused_adamw_([wb], [gr], [mb], [vb], [], [sb], lr=1e-3,
+                                                                 beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                                                 amsgrad=False, maximize=False))
+            del gr, wb, mb, vb
+            t["default"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=pick))
+            for key, cfg in gcfg.items():   # gemm_s4 == gemm_same where the default runs 4 stages: timed once
+                same = key == "gemm_s4" and cfg == gcfg["gemm_same"]
+                t[key] = t["gemm_same"] if same else bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg))
+            for cfg in epis:
+                epi_alone[(n, k, cfg)] = t["default"] if cfg == pick else \
+                    bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg))
+            g, d, e = t["gemm_same"], t["default"], epi_alone.get((n, k, pick), float("nan"))
+            ov = (g + e - d) / min(g, e)
+            fails = [name(c) for c, v in ok.items() if not v] + ([] if ok0 else ["default(check_config)"])
+            cells = [f"{key} {v:.4f}" for key, v in t.items()]
+            cells[3] += f" ({name(pick)})"
+            cells[4] += f" ({name(gcfg['gemm_same'])})"
+            cells += [f"epi_alone(M={OVERLAP_M0}, {name(pick)}) {e:.4f}",
+                      f"overlap {ov:.2f}", f"default/gemm {d / g:.3f}", f"gemm/mm {g / t['mm']:.3f}",
+                      f"default-(gemm+epi) {d - g - e:+.4f}"]
+            if epis:
+                cells.append("epi_alone " + ", ".join(f"{name(c)} {epi_alone[(n, k, c)]:.4f}" for c in epis))
+            cells.append("sums err/bound " + " ".join(f"{v:.1e}" for v in worst.values()))
+            cells.append(f"checks {'OK' if not fails else 'FAILED ' + ' '.join(fails)}  [{time.time() - t0:.0f} s]")
+            log(f"adamw {n}x{k} M={m}: " + " | ".join(cells))
+            rows.append((n, k, m, t, e, ov))
+            del w, dy_t, x, st, fn
+            torch.cuda.empty_cache()
+    log("")
+    log(f"{'shape':>10} {'M':>5} {'unfused':>8} {'mm':>7} {'adamw':>7} {'default':>8} {'gemm':>7} {'gemm_s4':>8} "
+        f"{'epi@64':>7} {'g+e':>7} {'overlap':>7} {'def/gemm':>8} {'gemm/mm':>7}")
+    for n, k, m, t, e, ov in rows:
+        g = t["gemm_same"]
+        log(f"{f'{n}x{k}':>10} {m:5d} {t['unfused']:8.4f} {t['mm']:7.4f} {t['adamw_alone']:7.4f} "
+            f"{t['default']:8.4f} {g:7.4f} {t['gemm_s4']:8.4f} {e:7.4f} {g + e:7.4f} {ov:7.2f} "
+            f"{t['default'] / g:8.3f} {g / t['mm']:7.3f}")
+    return all_ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
-                                                                 "smem"])
+                                                                 "smem", "overlap"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -398,8 +520,8 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem"):
-        ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep}[args.cases](args, log)
+    if args.cases in ("rings", "vec", "smem", "overlap"):
+        ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

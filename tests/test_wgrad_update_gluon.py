@@ -590,3 +590,107 @@ def test_gluon_smem_int64_offsets(force_gluon):
     for s, e in zip(st, st_e):
         if s.dim():
             assert torch.equal(s, e)
+
+
+# ---- overlap diagnostic: the GEMM schedule alone (GConfig.epi="gemm"; selectable, never picked) ---------------
+
+GEMM_LAYOUTS = {"gemm_s4": wg.gemm_config(), "gemm_s3": wg.gemm_config(stages=3), "gemm_b32s6": wg.gemm_config(6, 32)}
+
+
+def test_gemm_config_never_picked_and_counted():
+    for n_arrays in range(1, 6):
+        for m in (64, 256, 1024, 1025, 8192):
+            for act_bytes in (2, 4):
+                assert wg.pick_gconfig(m, n_arrays, act_bytes).epi != "gemm"
+                assert all(c.epi != "gemm" for c in wg.gconfig_candidates(m, n_arrays, act_bytes))
+    cfg = wg.gemm_config()
+    assert cfg.epi == "gemm" and cfg.stages == 4 and cfg.bmt == 64 and cfg.es == 0
+    # smem: the GEMM ring only, whatever the arrays (no epilogue ring, no dW tiles, no scratch)
+    for n_arrays in (0, 3, 5):
+        for store_grad in (False, True):
+            assert wg.gconfig_smem(cfg, n_arrays, 2, store_grad) == 4 * 64 * 256 * 2
+    assert wg.gconfig_smem(wg.gemm_config(6, 32), 3) == 6 * 32 * 256 * 2
+    assert wg.gconfig_smem(wg.gemm_config(7), 3) == 224 * 1024
+    # selectable as a plain GConfig too (the epilogue fields are unused)
+    wg._check_gconfig(wg.GConfig(epi="gemm"))
+    for name, c in GEMM_LAYOUTS.items():
+        wg._check_gconfig(c)
+    assert wg.gemm_sums_shape(1000, 776) == (1024, 7) and wg.gemm_sums_shape(4096, 4096, cfg) == (4096, 32)
+
+
+def test_check_gconfig_refuses_gemm_combinations():
+    # [128, 128] tiles, 32/64-token stages, >= 2 stages within the rings' 224 KB, one ring, no out ring
+    for bad in (dict(nring=2), dict(eout=1), dict(bn=64), dict(bk=64), dict(bmt=128), dict(bmt=16),
+                dict(stages=1), dict(stages=8), dict(bmt=32, stages=15)):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(wg.GConfig(**{"epi": "gemm", **bad}))
+    wg._check_gconfig(wg.GConfig(epi="gemm", bmt=32, stages=14))
+    for kw in (dict(stages=1), dict(stages=8), dict(bmt=128)):
+        with pytest.raises(ValueError):
+            wg.gemm_config(**kw)
+
+
+@pytest.mark.parametrize("rule", CATALOGUE + [RULES["adamw_fma"], RULES["clampy"]], ids=lambda r: r.name)
+def test_render_gemm_every_rule(rule):
+    ep = compile_epilogue(rule, "cuda")
+    tma, gemm = wg.render_gluon_source(ep), wg.render_gluon_source(ep, "gemm")
+    ast.parse(gemm)
+    assert tma == wg.render_gluon_source(ep, "tma")
+    # the same tile order, GEMM loader and tile GEMM as the tma module (the same GEMM schedule)
+    for helper in ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma"):
+        src = f"def {helper}("
+        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == gemm.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    # no epilogue: no ring, loader, turn, W/state traffic; the rule is never called; one store (the row sums)
+    kernel = gemm.split("def _gemm_consumer(", 1)[1]
+    assert "_rule(" not in kernel and "_epi_loader" not in gemm and "e_ready" not in gemm
+    assert "epi_turn" not in gemm and "async_copy_shared_to_global" not in gemm
+    assert gemm.count("gl.load(") == 0 and gemm.count("gl.store(") == 1 and "w_ptr" not in gemm
+    assert kernel.count("_tile_mma(") == 1 and "mma_turn" in kernel
+
+
+def _check_gemm_sums(n, k, m, cfg, max_ctas=None, seed=1):
+    # the row sums of each [128, 128] tile of dW vs the fp64 product. Bound: 1e-4 x the sum of |dW| over the same
+    # 128 elements, not a relative error of the sum: the kernel sums in its own order (fp32 wgmma accumulation,
+    # then a shuffle tree over the row), so it differs from any reference by rounding ~2^-24 sqrt(M) sum|dW|, and a
+    # row sum of random values can cancel to ~0, where a relative tolerance fails; a token left out of the GEMM
+    # moves a sum by > 1000 x the bound (checked on CPU with a fake kernel). Rows past N: exactly 0.
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, n, k, m, torch.bfloat16, "cuda", seed)
+    sums = torch.full(wg.gemm_sums_shape(n, k, cfg), float("nan"), device="cuda")
+    w0, st0 = w.clone(), [s.clone() for s in st]
+    wg.launch(w, dy_t, x, st, hp, rule, grad_out=sums, config=cfg, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    assert not sums.isnan().any()
+    rows, nk = sums.shape
+    pad = torch.zeros(rows, nk * 128, dtype=torch.float64, device="cuda")
+    pad[:n, :k] = dy_t.double() @ x.double()
+    pad = pad.view(rows, nk, 128)
+    err = (sums.double() - pad.sum(-1)).abs()
+    assert (err <= 1e-4 * pad.abs().sum(-1)).all(), f"{(err > 1e-4 * pad.abs().sum(-1)).sum().item()} sums off"
+    assert (sums[n:] == 0).all()
+    # nothing else written, the scalar state (step) not advanced either
+    assert torch.equal(w, w0) and all(torch.equal(a, b) for a, b in zip(st, st0))
+
+
+@sm90
+@pytest.mark.parametrize("layout", list(GEMM_LAYOUTS))
+@pytest.mark.parametrize("max_ctas", [None, 5])
+def test_gluon_gemm_sums_ragged(layout, max_ctas):
+    # ragged N/K/M (zero-filled rows/columns/tokens), one tile per CTA or many (5 CTAs: both consumers, many rounds)
+    _check_gemm_sums(1000, 776, 333, GEMM_LAYOUTS[layout], max_ctas=max_ctas)
+
+
+@sm90
+@pytest.mark.parametrize("layout", ["gemm_s4", "gemm_s3"])
+def test_gluon_gemm_sums_full_layer(layout):
+    _check_gemm_sums(4096, 4096, 1024, GEMM_LAYOUTS[layout])
+
+
+@sm90
+def test_gluon_gemm_refuses_a_wrong_output():
+    # the row sums go into grad_out: [ceil(N / 128) * 128, ceil(K / 128)] fp32, anything else is refused
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
+    for bad in (torch.empty_like(w), torch.empty(1024, 7, device="cuda", dtype=torch.float64)):
+        with pytest.raises(ValueError, match="row sums"):
+            wg.launch(w, dy_t, x, st, hp, rule, grad_out=bad, config=wg.gemm_config())

@@ -35,6 +35,11 @@ the accumulator's registers for the whole epilogue; the epilogue walks [R, 128] 
 16-byte-vector blocked layout, W/states loaded ``ahead`` (1-2) chunks before their math, the lookahead carried into
 the consumer's next tile; same _rule, masks, int64 offsets and K % 8 hint as v10.
 
+Overlap diagnostic, selectable and NOT picked (GConfig(epi="gemm"), ``gemm_config()``; prepared on CPU, not yet
+measured): the tma kernel's GEMM schedule (same loader, _tile_mma, mma turn, tile order, stages) with no epilogue
+traffic at all -- each tile's 128 row sums of dW are stored to a small fp32 array (``gemm_sums_shape``) so every
+wgmma stays live -- to tell how much of the fused kernel's time its GEMM schedule alone takes (NOTES_kernel.md).
+
 Exactness: the rule's math is epilogue_codegen's generated code for the "cuda" target, i.e. the same per-op
 formulas (spelled-out FMAs, div_rn/sqrt_rn, libdevice, host reciprocals) the Triton kernel uses, compiled with
 ``enable_fp_fusion=False``: W/states are bit-identical to eager ``rule.fn`` on the dW the kernel computed.
@@ -61,7 +66,7 @@ log = logging.getLogger(__name__)
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
-           "smem_ahead", "SMEM_AHEAD_REGS"]
+           "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -82,7 +87,8 @@ class GluonUnsupported(Exception):
 # The kernel modules are rendered from pieces: _HEAD (imports, the rule, tile order, GEMM loader, a tile's GEMM) and
 # _SPLITS (register-only chunk splits of the accumulator) are shared; _TMA_LOADERS + _TMA_KERNEL are the TMA-ring
 # epilogue (GConfig.epi="tma", the default), _VEC_KERNEL the vector-load epilogue (epi="vec", v10), _SMEM_KERNEL
-# (after _HEAD alone) dW through smem (epi="smem", v11). _TEMPLATE is the
+# (after _HEAD alone) dW through smem (epi="smem", v11), _GEMM_KERNEL (after _HEAD alone) the GEMM schedule with no
+# epilogue traffic (epi="gemm", the overlap diagnostic). _TEMPLATE is the
 # tma kernel's module in its historical order; the only change to its text in v10 is _tile_mma factored out of
 # _consumer, and its sm_90 SASS is instruction-for-instruction the same as before (every catalogue rule, NOTES v10).
 _HEAD = '''\
@@ -835,6 +841,83 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 '''
 
 
+# Overlap diagnostic (GConfig.epi="gemm"; selectable through config=, never picked): the default kernel's GEMM
+# schedule with no epilogue traffic. Same _gemm_loader, _tile_mma, mma turn (the two consumers' GEMMs strictly
+# alternate on the shared ring), tile order and GEMM stages as the tma kernel; no epilogue ring, no epilogue
+# loader, no epi turn (smem holds only the GEMM stages). Per tile the consumer reduces its accumulator to its 128
+# row sums (gl.sum over the columns: in the wgmma layout a row lives in one quad of threads, so this is register
+# adds + 2 shuffles, no smem, no barrier; ~0.2 us per tile vs 13 us of MMA at M=2048) and stores them: every
+# wgmma stays live and the result is checkable against torch. W/states are never touched. Partitions: the two
+# consumers + the GEMM loader.
+_GEMM_KERNEL = '''\
+@gluon.jit
+def _gemm_consumer(dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n, num_k,
+                   CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BK, 16])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ksteps = gl.cdiv(M, BMT)
+    j = CID   # index of the tile in the CTA's list (this consumer: every other one)
+    r = 0     # this consumer's round
+    for t in range(pid + CID * nprog, num_tiles, 2 * nprog):
+        pid_n, pid_k = _tile_coords(t, num_n, num_k, GROUP)
+        # the GEMM ring is shared: mma turn as in the tma kernel's _consumer
+        turn_ph = (r & 1) ^ (1 - CID)
+        it0 = j * ksteps
+        acc = _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID, STAGES, acc_layout)
+        # sums[row, pid_k] = the sum of dW[row, pid_k * BK .. + BK) (rows past N: 0, TMA zero-fills dY there)
+        s = gl.sum(acc, axis=1)
+        rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+        gl.store(sums_ptr + rows * num_k + pid_k, s)
+        j += 2
+        r += 1
+
+
+@gluon.jit
+def _gemm_consumer1(dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n, num_k,
+                    GROUP: gl.constexpr, STAGES: gl.constexpr):
+    _gemm_consumer(dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n, num_k,
+                   1, GROUP, STAGES)
+
+
+@gluon.jit
+def wgrad_update_gluon_kernel(dy_desc, x_desc, sums_ptr, M, N, K,
+                              GROUP: gl.constexpr, STAGES: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(num_warps == 4)
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = num_n * num_k
+
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(mma_turn.index(i), count=1)
+
+    gl.warp_specialize([
+        (_gemm_consumer, (dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n,
+                          num_k, 0, GROUP, STAGES)),
+        (_gemm_consumer1, (dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n,
+                           num_k, GROUP, STAGES)),
+        (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                        STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+'''
+
+
 # tl.* spellings of epilogue_codegen ("cuda" target) -> gl.*; gl's elementwise math is the same builtins
 # (triton.language.math / core), so the lowering, and the rounding, is identical.
 _GL_SUBS = [
@@ -859,7 +942,9 @@ def _to_gluon(code: str) -> str:
 
 def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
-    epilogue (the default kernel), "vec" the vector-load one (v10), "smem" dW through smem (v11)."""
+    epilogue (the default kernel), "vec" the vector-load one (v10), "smem" dW through smem (v11), "gemm" the
+    overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW instead of the update; the rule's
+    text is in the module but never called)."""
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
@@ -875,6 +960,8 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
         new_vars=", ".join(new_vars),
         new_p=new_vars[0],
     )
+    if epi == "gemm":
+        return (_HEAD + _GEMM_KERNEL).format(**common)
     if epi == "smem":
         return (_HEAD + _SMEM_KERNEL).format(
             **common,
@@ -918,7 +1005,7 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" module
+_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" / "gemm" module
 _KERNELS: dict[str | tuple[str, str], object] = {}   # rule (epi "tma") or (rule, epi) -> kernel
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
@@ -938,7 +1025,7 @@ def _source_for(rule: Rule):
 
 
 def _epi_source(rule: Rule, epi: str) -> str:
-    # the epi="vec" (v10) / "smem" (v11) module: rendered on demand, never by gluon_reason (the rule renders for
+    # the epi="vec" (v10) / "smem" (v11) / "gemm" (diagnostic) module: rendered on demand, never by gluon_reason (the rule renders for
     # "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
@@ -992,7 +1079,10 @@ class GConfig:
     #                        and stored by the consumers with 16-byte vectors, one [32, 32] chunk ahead, no
     #                        epilogue ring or loader (es, nring, eout unused; epi_m = epi_n = 32); vec_config();
     #                        "smem" (v11, not picked): dW tile stored to smem, [epi_m, 128] row chunks with 16-byte
-    #                        vectors, `ahead` chunks of loads in flight; smem_config()
+    #                        vectors, `ahead` chunks of loads in flight; smem_config(); "gemm" (overlap
+    #                        diagnostic, never picked): the tma kernel's GEMM schedule alone, per-tile row sums of
+    #                        dW stored instead of any W/state traffic (es, epi_m/n, nring, eout, ahead unused);
+    #                        gemm_config()
     ahead: int = 1         # epi="smem": chunks of W/states loads in flight ahead of the math (1 or 2)
 
 
@@ -1024,7 +1114,9 @@ def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bo
     """Bytes of the GEMM ring + the epilogue ring(s) (barriers not counted). ``n_arrays``: W, tensor states and dW
     when stored (``store_grad``: whether it is among them; only the out ring holds dW when eout > 0). epi="vec":
     the GEMM ring + each consumer's convert_layout scratch (one fp32 chunk); epi="smem": the GEMM ring + each
-    consumer's fp32 dW tile."""
+    consumer's fp32 dW tile; epi="gemm": the GEMM ring alone."""
+    if cfg.epi == "gemm":
+        return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes
     if cfg.epi == "vec":
         return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.epi_m * cfg.epi_n * 4
     if cfg.epi == "smem":
@@ -1136,6 +1228,23 @@ def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES) -> GC
     return cfg
 
 
+def gemm_config(stages: int = 4, bmt: int = 64) -> GConfig:
+    """The overlap diagnostic (GConfig.epi="gemm"): the default kernel's GEMM schedule (``stages`` GEMM stages of
+    ``bmt`` tokens, same loader, tile GEMM, mma turn and tile order) with no epilogue traffic; each tile's row sums
+    of dW go to ``grad_out`` (shape ``gemm_sums_shape``). For benchmarks and tests (``config=``), never picked.
+    No epilogue ring (es=0)."""
+    cfg = GConfig(epi="gemm", stages=stages, bmt=bmt, es=0)
+    _check_gconfig(cfg)
+    return cfg
+
+
+def gemm_sums_shape(n: int, k: int, cfg: GConfig | None = None) -> tuple[int, int]:
+    """Shape of the epi="gemm" kernel's output: [ceil(N / bn) * bn, ceil(K / bk)], element [r, j] = the sum of
+    dW[r, j * bk .. (j + 1) * bk) (rows past N: 0)."""
+    cfg = cfg or GConfig(epi="gemm")
+    return -(-n // cfg.bn) * cfg.bn, -(-k // cfg.bk)
+
+
 def _box(cfg: GConfig) -> list[int]:
     # the epilogue's TMA box: the chunk, or for band chunks [8, 32] (_tma_in)
     return [8, 32] if cfg.epi_m == 8 else [cfg.epi_m, cfg.epi_n]
@@ -1147,6 +1256,15 @@ def _boxes(cfg: GConfig) -> int:
 
 def _check_gconfig(cfg: GConfig):
     # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
+    if cfg.epi == "gemm":
+        # the overlap diagnostic: [128, 128] tiles (the row sums assume the 4-warp wgmma layout of the tma kernel),
+        # one GEMM ring of 32- or 64-token stages that fits the rings' smem with 2-byte activations (the only kind
+        # the Gluon path takes), nothing of the epilogue's: no second ring, no out ring
+        if not (cfg.bn == cfg.bk == 128 and cfg.bmt in (32, 64) and cfg.nring == 1 and cfg.eout == 0
+                and cfg.stages >= 2 and gconfig_smem(cfg, 0, 2) <= _RING_SMEM):
+            raise ValueError(f"unsupported Gluon config {cfg} (epi='gemm': 128x128 tiles, bmt 32/64, "
+                             f">= 2 GEMM stages within {_RING_SMEM // 1024} KB, nring=1, eout=0)")
+        return
     if cfg.epi == "vec":
         # _vec_split / _vec_chunk: [32, 32] chunks (8 fp32 per thread), one GEMM ring and no epilogue ring (so no
         # band chunks, second ring or out ring). [64, 32] chunks (16 per thread: the accumulator's 128 registers +
@@ -1316,6 +1434,19 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
+    if cfg.epi == "gemm":
+        # overlap diagnostic: grad_out, when given, receives the per-tile row sums (gemm_sums_shape), else a
+        # scratch does; W/states are untouched and scalar states are not advanced (nothing returned to advance)
+        kernel = _kernel_for(rule, "gemm")
+        shape = gemm_sums_shape(n, k, cfg)
+        sums = grad_out if grad_out is not None else torch.empty(shape, dtype=torch.float32, device=weight.device)
+        if tuple(sums.shape) != shape or sums.dtype != torch.float32 or not sums.is_contiguous():
+            raise ValueError(f"epi='gemm' writes row sums into a contiguous fp32 {list(shape)} grad_out, got "
+                             f"{sums.dtype} {list(sums.shape)}")
+        tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
+        grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
+        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
+        return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi == "smem":
         kernel = _kernel_for(rule, "smem")
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
