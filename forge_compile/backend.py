@@ -54,8 +54,8 @@ from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .kernels import wgrad_update as _register_fused_op  # noqa: F401  (registers forge::wgrad_update_)
-from .optim.translate import (HparamTensors, flush_step_mirrors, hparam_values, plan_optimizer, prepare_states,
-                              step_for_forge)
+from .optim.state_cache import ParamStates, StateCache
+from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -237,100 +237,41 @@ def _analyze_forward(gm: fx.GraphModule) -> _ForwardInfo:
     return _ForwardInfo(len(placeholders), views, format_graph(gm))
 
 
-def _group_snapshot(group):
-    """The group's hyper-parameter values, comparable with ``==`` (params excluded; 1-element CPU
-    tensors by value, others by identity so that reading them never syncs a device)."""
-    def val(v):
-        if isinstance(v, torch.Tensor):
-            return v.item() if v.device.type == "cpu" and v.numel() == 1 else ("tensor", id(v), v._version)
-        if isinstance(v, (tuple, list)):
-            return tuple(val(x) for x in v)
-        return v
-    return [(k, val(v)) for k, v in group.items() if k != "params"]
-
-
-class _Entry:
-    __slots__ = ("plan", "with_states", "param", "state", "raw", "states", "step_idx", "hparams", "reads")
+class _Entry(ParamStates):
+    __slots__ = ("plan", "with_states", "param")
 
     def __init__(self, plan, with_states):
+        super().__init__(plan)
         self.plan, self.with_states = plan, with_states
         self.param = plan.param.detach()      # shares storage and version counter with the parameter
-        self.state = None                     # the opt.state[p] dict the cached states came from
-        # the objects in that dict: ``states`` differs from them where a fused/capturable group's device
-        # ``step`` is read through its CPU mirror (translate._step_for_forge)
-        self.raw = []
-        self.states = []
-        rs = plan.rule.states
-        self.step_idx = rs.index("step") if "step" in rs else None
-        self.hparams = HparamTensors()
-        self.reads = 0                        # slow-path reads so far (see _Extras.tensors)
 
 
 class _Extras:
     """What the runtime appends to the backward's inputs, per fused parameter: the parameter, its
     ``opt.state`` tensors (torch.optim format) and its hyper-parameters as 0-dim float64 tensors.
 
-    This runs at every backward, so it is kept cheap: state tensors are reused while ``opt.state[p]``
-    still holds the same objects (``load_state_dict`` replaces them), hyper-parameter tensors are
-    reused and refilled only when the value changed, and ``prepare_states``/``hparam_values`` (which
-    walk the optimizer) run only in the first two backwards of a parameter (SGD's first step passes
-    dampening 0, see translate) or when its state objects changed; when only a group's values changed
-    (a scheduler), they are read once per group. Nothing reads a device tensor."""
-
-    _SLOW_READS = 2
+    This runs at every backward, so it is kept cheap: the states and hyper-parameters come from a
+    ``StateCache`` (optim/state_cache.py: ``prepare_states``/``hparam_values`` only in the first two
+    backwards of a parameter, when its state objects changed, and once per group when a scheduler
+    changed its values). Nothing reads a device tensor."""
 
     def __init__(self, opt, entries):
         self.opt = opt
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
-        self.snapshots = {}                   # group index -> _group_snapshot at the last slow read
+        self._items = [(e.plan, e) for e in self.entries if e.with_states]
+        # this module's names, looked up at call time: the tests count the slow reads by patching them
+        self.cache = StateCache(prepare_states=lambda o, pl: prepare_states(o, pl),
+                                hparam_values=lambda o, pl: hparam_values(o, pl))
 
     def tensors(self):
-        opt = self.opt
-        groups_changed = set()
-        for gi in {e.plan.group_index for e in self.entries if e.with_states}:
-            snap = _group_snapshot(opt.param_groups[gi])
-            try:
-                same = self.snapshots.get(gi) == snap
-            except Exception:       # a value without a usable ==: always read again
-                same = False
-            if not same:
-                groups_changed.add(gi)
-                self.snapshots[gi] = snap
+        self.cache.refresh(self.opt, self._items)
         out = []
-        shared = {}            # (group index, rule) -> hyper-parameter values read this backward
         for e in self.entries:
             out.append(e.param)
-            if not e.with_states:
-                continue
-            pl = e.plan
-            st = opt.state.get(pl.param)
-            same_states = (st is e.state and st is not None
-                           and all(st.get(n) is t for n, t in zip(pl.rule.states, e.raw)))
-            if e.reads < self._SLOW_READS or not same_states:
-                self._slow_read(e)
-            else:
-                if e.step_idx is not None:
-                    # the mirror of a device step is re-read if something else advanced the step, and
-                    # its write-back after this update is queued here (flush_step_mirrors)
-                    e.states[e.step_idx] = step_for_forge(opt, pl, st)
-                if pl.group_index in groups_changed:
-                    # past the first steps the values depend on the group only (a scheduler changed lr)
-                    key = (pl.group_index, pl.rule.name)
-                    values = shared.get(key)
-                    if values is None:
-                        values = shared[key] = [float(v) for v in hparam_values(opt, pl)]
-                    e.hparams.update(values)
-            out.extend(e.states)
-            out.extend(e.hparams.tensors)
+            if e.with_states:
+                out.extend(e.states)
+                out.extend(e.hparams.tensors)
         return out
-
-    def _slow_read(self, e):
-        opt, pl = self.opt, e.plan
-        e.states = list(prepare_states(opt, pl))
-        e.state = opt.state.get(pl.param)
-        e.raw = [e.state.get(n) for n in pl.rule.states]
-        e.hparams.update(hparam_values(opt, pl))
-        e.reads += 1
 
 
 def _peek_states(opt, pl):

@@ -489,6 +489,36 @@ def test_fused_adamw_step_mirror_keeps_the_fast_path(monkeypatch):
     assert calls["n"] == 3, calls
 
 
+def test_rule_optimizer_reading_beyond_its_group_is_read_every_backward():
+    """The state cache reuses hyper-parameters while the param group's values stay the same, which is exact
+    for torch's optimizers and forge's own RuleOptimizer/Lion. A subclass's own group_hparams may read
+    anything (here an attribute): its values are read at every backward, and still match eager."""
+    def signum(p, g, lr):
+        return (p - lr * torch.sign(g),)
+
+    from forge_compile.optim import Rule, RuleOptimizer, register_rule
+    rule = register_rule(Rule("test_backend_signum_scaled", signum, states=(), hparams=("lr",)))
+
+    class Scaled(RuleOptimizer):
+        scale = 1.0
+
+        def group_hparams(self, group):
+            return [group["lr"] * self.scale]
+
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = Scaled(model.parameters(), rule, lr=1e-2), Scaled(ref.parameters(), rule, lr=1e-2)
+    cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
+    for step, (x, y) in enumerate(_mlp_batches(6)):
+        opt.scale = ref_opt.scale = 1.0 if step < 3 else 0.1
+        for m, o in ((cmodel, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    _assert_same(model, opt, ref, ref_opt, "scaled rule optimizer")
+    assert all(dict(model.named_parameters())[n].grad is None for n in MLP_WEIGHTS)
+
+
 @pytest.mark.parametrize("flag", ["foreach", "fused"])
 def test_adamw_foreach_or_fused_flag(flag):
     make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, **{flag: True})

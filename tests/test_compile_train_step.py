@@ -343,3 +343,242 @@ def test_whole_step_compile_uses_the_fx_graph_cache(tmp_path, monkeypatch):
     assert second.get("fxgraph_cache_hit") == 1
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)
+
+
+# -- the per-step host path: cached state reads, and every change still taking effect ------------------
+
+def _count_slow_reads(monkeypatch):
+    """Counts translate.prepare_states/hparam_values calls (the slow reads of optim/state_cache.py)."""
+    import forge_compile.optim.translate as tr
+    calls = {"states": 0, "hparams": 0}
+    real_s, real_h = tr.prepare_states, tr.hparam_values
+
+    def states(o, pl):
+        calls["states"] += 1
+        return real_s(o, pl)
+
+    def hparams(o, pl):
+        calls["hparams"] += 1
+        return real_h(o, pl)
+    monkeypatch.setattr(tr, "prepare_states", states)
+    monkeypatch.setattr(tr, "hparam_values", hparams)
+    return calls
+
+
+def test_state_reads_are_cached_but_follow_reload_scheduler_and_new_group(monkeypatch):
+    calls = _count_slow_reads(monkeypatch)
+    model = MLP(); ref = copy.deepcopy(model)
+    # fc2 is frozen at first, then trained as a new param group with its own lr
+    model.fc2.requires_grad_(False); ref.fc2.requires_grad_(False)
+    opt = torch.optim.AdamW(model.fc1.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.fc1.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    def both(x, y):
+        loss = step(x, y)
+        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+
+    batches = [_mlp_batch() for _ in range(12)]
+    for x, y in batches[:2]:
+        both(x, y)          # a parameter's first two steps read everything (SGD's dampening: translate)
+    calls.update(states=0, hparams=0)
+    for x, y in batches[2:4]:
+        both(x, y)
+    assert calls == {"states": 0, "hparams": 0}, calls           # steady state: nothing read the slow way
+    sched.step(); ref_sched.step()
+    both(*batches[4])
+    assert calls == {"states": 0, "hparams": 1}, calls           # a new lr: read once for the group
+    calls.update(states=0, hparams=0)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))         # replaces every state tensor
+    ref_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    both(*batches[5])
+    assert calls["states"] == 2, calls                           # fc1's weight and bias, once each
+    assert step.compile_count == 1
+    model.fc2.requires_grad_(True); ref.fc2.requires_grad_(True)
+    opt.add_param_group({"params": list(model.fc2.parameters()), "lr": 3e-2})
+    ref_opt.add_param_group({"params": list(ref.fc2.parameters()), "lr": 3e-2})
+    for x, y in batches[6:9]:
+        both(x, y)
+    assert step.compile_count == 2                               # the optimizer's structure changed
+    calls.update(states=0, hparams=0)
+    for x, y in batches[9:]:
+        both(x, y)
+    assert calls == {"states": 0, "hparams": 0}, calls
+    _assert_same_training(model, opt, ref, ref_opt, "cached reads")
+
+
+def test_sgd_dampening_of_a_parameter_whose_first_gradient_comes_late():
+    """SGD's first update of a parameter skips dampening (forge: dampening 0 while the zero buffer is
+    fresh). A parameter that gets no gradient in its first steps keeps a fresh buffer: its hyper-
+    parameters must not be cached from those reads, or every later update would skip dampening too."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(16, 8), "b": nn.Linear(16, 8)}); ref = copy.deepcopy(model)
+    make = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.3)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+
+    def body(m, o, x, y, use_b):
+        out = m["a"](x) + (m["b"](x) if use_b else 0)
+        loss = F.mse_loss(out, y); loss.backward(); o.step(); o.zero_grad(); return loss
+
+    step = forge.compile_train_step(lambda x, y, use_b: body(model, opt, x, y, use_b), models=model,
+                                    optimizers=opt)
+    for use_b in [False] * 3 + [True] * 4:
+        x, y = _mlp_batch()
+        torch.testing.assert_close(step(x, y, use_b), body(ref, ref_opt, x, y, use_b).detach(),
+                                   rtol=RTOL, atol=ATOL)
+    _assert_same_training(model, opt, ref, ref_opt, "late first gradient")
+
+
+def test_eval_mode_after_training_recompiles_and_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    for _ in range(3):
+        step(*_mlp_batch())
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    model.eval(); ref.eval()           # dropout off: a reused training graph would not match
+    for _ in range(3):
+        x, y = _mlp_batch()
+        loss = step(x, y)
+        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+    assert step.compile_count == 2
+    _assert_same_training(model, opt, ref, ref_opt, "eval")
+
+
+def test_rule_optimizer_reading_beyond_its_group_is_read_every_step():
+    """A RuleOptimizer subclass's own group_hparams may read anything (here an attribute): its
+    hyper-parameters are not cached on the param group's values."""
+    def signum(p, g, lr):
+        return (p - lr * torch.sign(g),)
+
+    rule = forge.optim.register_rule(forge.Rule("test_core_signum_scaled", signum, states=(),
+                                                hparams=("lr",)))
+
+    class Scaled(forge.optim.RuleOptimizer):
+        scale = 1.0
+
+        def group_hparams(self, group):
+            return [group["lr"] * self.scale]
+
+    model = MLP(); ref = copy.deepcopy(model)
+    opt, ref_opt = Scaled(model.parameters(), rule, lr=1e-2), Scaled(ref.parameters(), rule, lr=1e-2)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    for i in range(6):
+        opt.scale = ref_opt.scale = 1.0 if i < 3 else 0.1
+        x, y = _mlp_batch()
+        loss = step(x, y)
+        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+    _assert_same_training(model, opt, ref, ref_opt, "scaled")
+
+
+def test_swapped_parameter_data_is_still_checked_against_its_state():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    for _ in range(3):
+        step(*_mlp_batch())
+    model.fc2.bias.data = torch.zeros(8, dtype=torch.float64)    # the states are still float32
+    with pytest.raises(ValueError, match="exp_avg"):
+        step(*_mlp_batch())
+
+
+def test_plans_are_reused_only_while_nothing_they_depend_on_changed():
+    from forge_compile.optim.translate import plan_and_structure_key, structure_key
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plans, key = plan_and_structure_key(opt)
+    assert plan_and_structure_key(opt)[0] is plans and key == structure_key(opt)
+    opt.param_groups[0]["lr"] = 0.2                       # a value, not structure
+    assert plan_and_structure_key(opt)[0] is plans
+    opt.param_groups[0]["nesterov"] = True                # another rule
+    p2, k2 = plan_and_structure_key(opt)
+    assert p2 is not plans and {pl.rule.name for pl in p2} != {pl.rule.name for pl in plans}
+    assert k2 == structure_key(opt) != key
+    new = nn.Parameter(torch.zeros(3))
+    opt.param_groups[0]["params"][1] = new                # another parameter in the same place
+    p3, k3 = plan_and_structure_key(opt)
+    assert p3 is not p2 and p3[1].param is new and k3 == structure_key(opt) != k2
+
+
+def test_parameter_back_in_its_group_sees_the_lr_changed_meanwhile():
+    """The capture keeps its cached reads per parameter: one that left the optimizer for a while did not
+    see the group's changes of those steps, and must read them when it is back."""
+    model = MLP(); ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    def both():
+        x, y = _mlp_batch()
+        loss = step(x, y)
+        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+
+    def move_bias(m, o, out):
+        params = o.param_groups[0]["params"]
+        if out:
+            m.fc2.bias.requires_grad_(False)
+            del params[next(i for i, q in enumerate(params) if q is m.fc2.bias)]
+        else:
+            m.fc2.bias.requires_grad_(True)
+            params.append(m.fc2.bias)
+
+    for _ in range(3):
+        both()
+    move_bias(model, opt, True); move_bias(ref, ref_opt, True)
+    both()
+    opt.param_groups[0]["lr"] = ref_opt.param_groups[0]["lr"] = 1e-3
+    both()
+    move_bias(model, opt, False); move_bias(ref, ref_opt, False)
+    for _ in range(2):
+        both()
+    _assert_same_training(model, opt, ref, ref_opt, "back in the group")
+
+
+def test_fused_adamw_step_mirror_with_cached_reads(monkeypatch):
+    """AdamW(fused=True) keeps ``step`` on the device; forge reads it through a CPU mirror (forced here on
+    CPU), which the cached reads must refresh and write back at every step."""
+    import forge_compile.optim.translate as tr
+    monkeypatch.setattr(tr, "_uses_mirror", lambda group, p: tr._device_step_group(group))
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        tr.plan_optimizer(make([nn.Parameter(torch.zeros(2, 2))]))
+    except Exception:
+        pytest.skip("AdamW(fused=True) not available here")
+    calls = _count_slow_reads(monkeypatch)
+    model, opt, ref, ref_opt, step = _train_both(MLP, make, _mlp_batch, F.mse_loss, steps=2)
+    calls.update(states=0, hparams=0)
+    for _ in range(4):
+        x, y = _mlp_batch()
+        loss = step(x, y)
+        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+    assert calls == {"states": 0, "hparams": 0}, calls
+    _assert_same_training(model, opt, ref, ref_opt, "fused AdamW, step mirror")
+    assert all(float(opt.state[p]["step"]) == 6.0 for p in model.parameters())

@@ -10,19 +10,20 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import operator
 import weakref
 from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .lion import RuleOptimizer, _as_float
+from .lion import Lion, RuleOptimizer, _as_float
 from .rule import Rule
 from .rules import adagrad_rule, adam_rule, rmsprop_rule, sgd_rule
 
 __all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states", "flush_step_mirrors",
-           "discard_step_mirrors", "HparamTensors",
-           "hparam_values", "structure_key"]
+           "discard_step_mirrors", "HparamTensors", "has_fresh_state", "cacheable_reads", "step_for_forge",
+           "hparam_values", "structure_key", "plan_and_structure_key"]
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ def discard_step_mirrors() -> None:
 # where prepare_states left it: any update (eager copy_ or a compiled graph's in-place write) bumps
 # it, so asking for the hyper-parameters twice, or for a parameter that got no gradient, stays right.
 _FRESH_BUFFERS = WeakIdKeyDictionary()
+
+
+def has_fresh_state(states) -> bool:
+    """Whether one of ``states`` (as ``prepare_states`` returned them) is a buffer still fresh, i.e.
+    whether ``hparam_values`` depends on more than the param group right now (see above)."""
+    return any(_FRESH_BUFFERS.get(s) == s._version for s in states)
 
 
 def _sgd_rule(opt, group):
@@ -312,24 +319,47 @@ _WARNED_HOOKS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 def plan_optimizer(optimizer: torch.optim.Optimizer) -> list[ParamPlan]:
     """One ParamPlan per parameter; raises UnsupportedOptimizerError before touching any state."""
+    return list(plan_and_structure_key(optimizer)[0])
+
+
+# A captured train step plans every optimizer at every call. A plan is made of the parameter, its group's
+# index and the group's rule (one Rule object per name), so the plans of the last call are reused when
+# the class, every group's rule object and every group's parameters (the same objects, in the same
+# order) are still those: the same tuple comes back, which callers may key their own caches on. The
+# per-parameter checks below run at every call all the same.
+_PLAN_MEMO = WeakIdKeyDictionary()    # optimizer -> (class, rules, params per group, plans, structure key)
+
+
+def plan_and_structure_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[ParamPlan, ...], tuple]:
+    """``plan_optimizer`` (as a tuple, the same object while nothing it depends on changed) and
+    ``structure_key``, in one pass over the groups."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
             f"forge: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _, rules = _group_rules(optimizer)
-    plans = []
-    for i, (group, rule) in enumerate(zip(optimizer.param_groups, rules)):
+    groups = optimizer.param_groups
+    for i, group in enumerate(groups):
         for p in group["params"]:
             if p.is_complex():
                 raise _fail(optimizer, f"param group {i} holds a complex parameter")
             if p.grad is not None and p.grad.is_sparse:
                 raise _fail(optimizer, f"param group {i} holds a parameter with a sparse gradient")
-            plans.append(ParamPlan(p, i, rule))
+    cls = type(optimizer)
+    memo = _PLAN_MEMO.get(optimizer)
+    if not (memo is not None and memo[0] is cls and len(memo[1]) == len(rules)
+            and all(map(operator.is_, rules, memo[1]))
+            and all(len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
+                    for g, ps in zip(groups, memo[2]))):
+        plans = tuple(ParamPlan(p, i, rule) for i, (group, rule) in enumerate(zip(groups, rules))
+                      for p in group["params"])
+        memo = _PLAN_MEMO[optimizer] = (cls, tuple(rules), tuple(tuple(g["params"]) for g in groups), plans,
+                                        _structure_key(optimizer, rules))
     if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks) and (
             optimizer not in _WARNED_HOOKS):
         _WARNED_HOOKS.add(optimizer)    # planned again at every step: say it once
         log.warning("forge: %s has step hooks; the fused update does not run them",
                     type(optimizer).__name__)
-    return plans
+    return memo[3], memo[4]
 
 
 def prepare_states(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[torch.Tensor]:
@@ -383,11 +413,34 @@ class HparamTensors:
 
 def structure_key(optimizer: torch.optim.Optimizer) -> tuple:
     """Everything about ``optimizer`` a traced step depends on besides tensor values."""
-    _, rules = _group_rules(optimizer)
+    return _structure_key(optimizer, _group_rules(optimizer)[1])
+
+
+def _structure_key(optimizer, rules) -> tuple:
     cls = type(optimizer)
     return (f"{cls.__module__}.{cls.__qualname__}",) + tuple(
         (rule.name, tuple(id(p) for p in group["params"]))
         for group, rule in zip(optimizer.param_groups, rules))
+
+
+# RuleOptimizer methods whose reads forge knows: group_hparams reads the param group only, state_tensors
+# returns the tensors stored in ``state[p]`` under the rule's state names.
+_OWN_GROUP_HPARAMS = (RuleOptimizer.group_hparams, Lion.group_hparams)
+
+
+def cacheable_reads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``prepare_states`` returns the objects stored in ``optimizer.state[p]`` under the rule's
+    state names (a device ``step`` aside) and ``hparam_values`` reads the param group and those states
+    only: then a caller may reuse them while those objects and the group's values stay the same
+    (``state_cache``). A RuleOptimizer subclass with its own ``group_hparams``/``state_tensors`` may read
+    anything."""
+    if not isinstance(optimizer, RuleOptimizer):
+        return True         # torch's optimizers: translate's own functions read them
+    cls, own = type(optimizer), vars(optimizer)
+    if "group_hparams" in own or "state_tensors" in own:
+        return False
+    return (any(_raw(cls.group_hparams) is _raw(f) for f in _OWN_GROUP_HPARAMS)
+            and _raw(cls.state_tensors) is _raw(RuleOptimizer.state_tensors))
 
 
 def _adapter_or_fail(opt) -> _Adapter:
