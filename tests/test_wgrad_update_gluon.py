@@ -481,7 +481,8 @@ def test_gluon_vec_int64_offsets(force_gluon):
 # ---- v11: dW through smem, deep vector lookahead (GConfig.epi="smem"; selectable, never picked) ---------------
 
 SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(rows=8),
-                "smem_r16a1s3": wg.smem_config(ahead=1), "smem_r16a2s2": wg.smem_config(stages=2)}
+                "smem_r16a1s3": wg.smem_config(ahead=1), "smem_r16a2s2": wg.smem_config(stages=2),
+                "smem_r16a2b32s6": wg.smem_config(bmt=32, stages=6)}
 
 
 def test_smem_picked_where_measured():
@@ -507,14 +508,18 @@ def test_smem_picked_where_measured():
 
 
 def test_check_gconfig_refuses_smem_combinations():
-    # [8|16, 128] row chunks, 1-2 chunks ahead, 2-3 GEMM stages, one GEMM ring and no epilogue ring
+    # [8|16, 128] row chunks, 1-2 chunks ahead, a GEMM ring of 64-token (2-3) or 32-token (2-6) stages that fits
+    # 224 KB beside the two 64 KB dW tiles, one GEMM ring and no epilogue ring
     ok = dict(epi="smem", epi_m=16, epi_n=128, stages=3, es=0, ahead=2)
     wg._check_gconfig(wg.GConfig(**ok))
+    wg._check_gconfig(wg.GConfig(**{**ok, "bmt": 32, "stages": 6}))
+    assert wg.gconfig_smem(wg.smem_config(bmt=32, stages=6), 3) == 6 * 16 * 1024 + 2 * 64 * 1024
     for bad in (dict(epi_m=32), dict(epi_m=4), dict(epi_m=64), dict(epi_n=32), dict(ahead=0), dict(ahead=3),
-                dict(stages=1), dict(stages=4), dict(nring=2), dict(eout=1), dict(bn=64), dict(bmt=32)):
+                dict(stages=1), dict(stages=4), dict(nring=2), dict(eout=1), dict(bn=64), dict(bmt=128),
+                dict(bmt=32, stages=7)):
         with pytest.raises(ValueError):
             wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
-    for kw in (dict(rows=32), dict(ahead=3), dict(stages=4)):
+    for kw in (dict(rows=32), dict(ahead=3), dict(stages=4), dict(bmt=32, stages=7)):
         with pytest.raises(ValueError):
             wg.smem_config(**kw)
 

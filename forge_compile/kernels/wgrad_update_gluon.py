@@ -1216,14 +1216,15 @@ def smem_ahead(cfg: GConfig, n_load: int) -> int:
     return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * n_load)))
 
 
-def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES) -> GConfig:
+def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: int = 64) -> GConfig:
     """The v11 epilogue (GConfig.epi="smem"): dW through each consumer's smem tile, [rows, 128] chunks with
     ``ahead`` chunks of W/states loads in flight (at most: ``smem_ahead`` lowers it for rules with 3 tensor states),
-    ``stages`` GEMM stages; for benchmarks and tests (``config=``). No epilogue ring (es/nring/eout unused, es=0)."""
+    ``stages`` GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). No epilogue ring
+    (es/nring/eout unused, es=0)."""
     # setmaxnreg 240 for the consumers: the lookahead stays live across the next tile's GEMM, next to the 128
     # accumulator registers (AdamW [16, 128] x 2 ahead spilled 8 B at 232, 44 B at 248, where the compiler then
     # gives the default partition only 232; 0 at 240, both consumers 240)
-    cfg = GConfig(epi="smem", stages=stages, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240)
+    cfg = GConfig(epi="smem", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240)
     _check_gconfig(cfg)
     return cfg
 
@@ -1276,12 +1277,15 @@ def _check_gconfig(cfg: GConfig):
         return
     if cfg.epi == "smem":
         # _smem_consumer: [R, 128] row chunks, R 8 or 16 (R / 4 rows x 4 fp32 per thread and array), 1-2 chunks
-        # of lookahead, one GEMM ring (2 or 3 stages: 2 x 64 KB of dW tiles + 3 x 32 KB = 224 KB of 227). [32, 128]
-        # chunks spilled for AdamW in a sm_90 compile even with one chunk ahead (404 B; 1,352 B with dW)
-        if not (cfg.bn == cfg.bk == 128 and cfg.bmt == 64 and cfg.epi_m in (8, 16) and cfg.epi_n == 128
-                and cfg.ahead in (1, 2) and cfg.nring == 1 and cfg.eout == 0 and cfg.stages in (2, 3)):
+        # of lookahead, one GEMM ring beside 2 x 64 KB of dW tiles: 64-token stages 2-3 (3 x 32 KB + 128 KB = 224 KB
+        # of 227), 32-token stages up to 6 (a deeper ring for large M). [32, 128] chunks spilled for AdamW in a
+        # sm_90 compile even with one chunk ahead (404 B; 1,352 B with dW)
+        if not (cfg.bn == cfg.bk == 128 and cfg.bmt in (32, 64) and cfg.epi_m in (8, 16) and cfg.epi_n == 128
+                and cfg.ahead in (1, 2) and cfg.nring == 1 and cfg.eout == 0 and cfg.stages >= 2
+                and gconfig_smem(cfg, 0, 2) <= _RING_SMEM):
             raise ValueError(f"unsupported Gluon config {cfg} (epi='smem': [8|16, 128] chunks, ahead 1-2, "
-                             "2-3 GEMM stages, nring=1, eout=0)")
+                             f">= 2 GEMM stages of 32 or 64 tokens within {_RING_SMEM // 1024} KB with the dW tiles, "
+                             "nring=1, eout=0)")
         return
     if cfg.epi != "tma":
         raise ValueError(f"Gluon config {cfg}: unknown epilogue data path {cfg.epi!r}")
