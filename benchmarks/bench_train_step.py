@@ -334,7 +334,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                 loss = step(x, y)
                 times.append((time.perf_counter() - t0) * 1e3)
         if cfg.get("cprofile"):
-            _profile_steps(step, batches, device, cfg["result_path"] + ".cprofile.txt")
+            profile_steps(step, batches, device, cfg["result_path"] + ".cprofile.txt")
         last = float(loss)
         res.update(step_ms=times, median_ms=statistics.median(times), last_timed_loss=last,
                    compiles=_compile_count(route, step), launch_memo=_memo_counters(),
@@ -369,8 +369,9 @@ def _device_batch(mb, seq, vocab, device, gen):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def _profile_steps(step, batches, device, path):
-    """cProfile of the timed batches run once more (host time by function; --cprofile)."""
+def profile_steps(step, batches, device, path, title=""):
+    """cProfile of ``step`` over ``batches`` (host time by function) written to ``path``: --cprofile here and
+    in profile_train_step.py."""
     import cProfile
     import io
     import pstats
@@ -386,7 +387,7 @@ def _profile_steps(step, batches, device, path):
     st.sort_stats("tottime").print_stats(40)
     st.sort_stats("cumulative").print_stats(60)
     with open(path, "w") as f:
-        f.write(f"cProfile over {len(batches)} steps\n" + buf.getvalue())
+        f.write(f"cProfile over {len(batches)} steps{title}\n" + buf.getvalue())
 
 
 def worker_main(config_path):

@@ -49,24 +49,9 @@ def profile_route(route, args, out):
         for x, y in batches:
             step(x, y)
         B.sync(device)
-    if args.cprofile:
-        # Python-level host cost of the steps (who spends the host's time when the route is host-bound)
-        import cProfile
-        import io
-        import pstats
-
-        pr = cProfile.Profile()
-        pr.enable()
-        for x, y in batches:
-            step(x, y)
-        B.sync(device)
-        pr.disable()
-        buf = io.StringIO()
-        st = pstats.Stats(pr, stream=buf)
-        st.sort_stats("tottime").print_stats(40)
-        st.sort_stats("cumulative").print_stats(60)
-        with open(os.path.join(out, f"profile_{route}_host.txt"), "w") as f:
-            f.write(f"cProfile over {len(batches)} steps of route {route}\n" + buf.getvalue())
+    if args.cprofile:   # Python-level host cost of the steps (who spends the host's time when host-bound)
+        B.profile_steps(step, batches, device, os.path.join(out, f"profile_{route}_host.txt"),
+                        f" of route {route}")
     ka = prof.key_averages()
     dev_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0) for e in ka)
     lines = [f"route {route} mb {args.mb} seq {args.seq_len} d_model {args.d_model} layers {args.layers} "
