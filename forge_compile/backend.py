@@ -259,9 +259,7 @@ class _Extras:
         self.opt = opt
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
-        # this module's names, looked up at call time: the tests count the slow reads by patching them
-        self.cache = StateCache(prepare_states=lambda o, pl: prepare_states(o, pl),
-                                hparam_values=lambda o, pl: hparam_values(o, pl))
+        self.cache = StateCache()
 
     def tensors(self):
         self.cache.refresh(self.opt, self._items)

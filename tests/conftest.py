@@ -14,3 +14,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def count_slow_reads(monkeypatch):
+    """Counts translate.prepare_states/hparam_values calls: the slow reads of optim/state_cache.py, which
+    both forge routes go through (the cache looks them up in translate at each call)."""
+    import forge_compile.optim.translate as tr
+    calls = {"states": 0, "hparams": 0}
+    real_s, real_h = tr.prepare_states, tr.hparam_values
+
+    def states(o, pl):
+        calls["states"] += 1
+        return real_s(o, pl)
+
+    def hparams(o, pl):
+        calls["hparams"] += 1
+        return real_h(o, pl)
+    monkeypatch.setattr(tr, "prepare_states", states)
+    monkeypatch.setattr(tr, "hparam_values", hparams)
+    return calls
+
+
+@pytest.fixture
+def fused_adamw_via_mirror(monkeypatch):
+    """A factory of AdamW(fused=True) optimizers whose ``step`` forge reads through a CPU mirror, as it
+    does on CUDA (translate._step_for_forge), forced here on CPU; skips where fused AdamW is missing."""
+    import torch.nn as nn
+    import forge_compile.optim.translate as tr
+    monkeypatch.setattr(tr, "_uses_mirror", lambda group, p: tr._device_step_group(group))
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        tr.plan_optimizer(make([nn.Parameter(torch.zeros(2, 2))]))
+    except Exception:
+        pytest.skip("AdamW(fused=True) not available here")
+    return make

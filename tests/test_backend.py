@@ -422,21 +422,15 @@ def test_grad_already_set_runs_unfused():
     _assert_same(model, opt, ref, ref_opt, "grad already set")
 
 
-def test_state_is_cached_but_follows_load_state_dict(monkeypatch):
+def test_state_is_cached_but_follows_load_state_dict(count_slow_reads):
     model = DeepMLP()
     ref = copy.deepcopy(model)
     opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
     cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
-    calls = {"n": 0}
-    real = fb.prepare_states
-
-    def counting(o, pl):
-        calls["n"] += 1
-        return real(o, pl)
-    monkeypatch.setattr(fb, "prepare_states", counting)
+    calls = count_slow_reads
     for step, (x, y) in enumerate(_mlp_batches(6)):
         if step == 1:
-            calls["n"] = 0      # the compile itself peeks at every parameter's state
+            calls["states"] = 0      # the compile itself peeks at every parameter's state
         if step == 3:       # a checkpoint reload replaces every state tensor
             sd = copy.deepcopy(opt.state_dict())
             opt.load_state_dict(sd)
@@ -447,36 +441,23 @@ def test_state_is_cached_but_follows_load_state_dict(monkeypatch):
             o.zero_grad(set_to_none=True)
     _assert_same(model, opt, ref, ref_opt, "load_state_dict")
     # 3 fused weights: the 2nd of the 2 slow reads at the start, 1 after the reload; none in steady state
-    assert calls["n"] == 3 * 2, calls
+    assert calls["states"] == 3 * 2, calls
 
 
-def test_fused_adamw_step_mirror_keeps_the_fast_path(monkeypatch):
+def test_fused_adamw_step_mirror_keeps_the_fast_path(fused_adamw_via_mirror, count_slow_reads):
     """AdamW(fused=True) on CUDA keeps ``step`` on the device; forge reads it through a CPU mirror, so the
     cached states differ from opt.state's objects there. That made every backward take the slow read (all
     of prepare_states + hparam_values per weight and step: ~15 us each on the H200 host, 57 weights in
     bench_train_step's full model). The mirror path is forced here on CPU: the states are read twice per
     weight, the mirror is written back every step, and the result is still torch's."""
-    import forge_compile.optim.translate as tr
-    monkeypatch.setattr(tr, "_uses_mirror", lambda group, p: tr._device_step_group(group))
-    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)
-    try:
-        tr.plan_optimizer(make([nn.Parameter(torch.zeros(2, 2))]))
-    except Exception:
-        pytest.skip("AdamW(fused=True) not available here")
-    calls = {"n": 0}
-    real = fb.prepare_states
-
-    def counting(o, pl):
-        calls["n"] += 1
-        return real(o, pl)
-    monkeypatch.setattr(fb, "prepare_states", counting)
+    make, calls = fused_adamw_via_mirror, count_slow_reads
     model = DeepMLP()
     ref = copy.deepcopy(model)
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
     for step, (x, y) in enumerate(_mlp_batches(6)):
         if step == 1:
-            calls["n"] = 0      # the compile itself peeks at every parameter's state
+            calls["states"] = 0      # the compile itself peeks at every parameter's state
         for m, o in ((cmodel, opt), (ref, ref_opt)):
             F.mse_loss(m(x), y).backward()
             o.step()
@@ -486,7 +467,7 @@ def test_fused_adamw_step_mirror_keeps_the_fast_path(monkeypatch):
         p = dict(model.named_parameters())[name]
         assert float(opt.state[p]["step"]) == 6.0
     # 3 fused weights: the 2nd of the 2 slow reads at the start, none in steady state (was one per step)
-    assert calls["n"] == 3, calls
+    assert calls["states"] == 3, calls
 
 
 def test_rule_optimizer_reading_beyond_its_group_is_read_every_backward():

@@ -347,26 +347,15 @@ def test_whole_step_compile_uses_the_fx_graph_cache(tmp_path, monkeypatch):
 
 # -- the per-step host path: cached state reads, and every change still taking effect ------------------
 
-def _count_slow_reads(monkeypatch):
-    """Counts translate.prepare_states/hparam_values calls (the slow reads of optim/state_cache.py)."""
-    import forge_compile.optim.translate as tr
-    calls = {"states": 0, "hparams": 0}
-    real_s, real_h = tr.prepare_states, tr.hparam_values
-
-    def states(o, pl):
-        calls["states"] += 1
-        return real_s(o, pl)
-
-    def hparams(o, pl):
-        calls["hparams"] += 1
-        return real_h(o, pl)
-    monkeypatch.setattr(tr, "prepare_states", states)
-    monkeypatch.setattr(tr, "hparam_values", hparams)
-    return calls
+def _step_both(step, ref, ref_opt, x, y):
+    """One forge step and the same eager step of the reference model; their losses agree."""
+    loss = step(x, y)
+    rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
+    torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
 
 
-def test_state_reads_are_cached_but_follow_reload_scheduler_and_new_group(monkeypatch):
-    calls = _count_slow_reads(monkeypatch)
+def test_state_reads_are_cached_but_follow_reload_scheduler_and_new_group(count_slow_reads):
+    calls = count_slow_reads
     model = MLP(); ref = copy.deepcopy(model)
     # fc2 is frozen at first, then trained as a new param group with its own lr
     model.fc2.requires_grad_(False); ref.fc2.requires_grad_(False)
@@ -380,9 +369,7 @@ def test_state_reads_are_cached_but_follow_reload_scheduler_and_new_group(monkey
         loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
 
     def both(x, y):
-        loss = step(x, y)
-        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+        _step_both(step, ref, ref_opt, x, y)
 
     batches = [_mlp_batch() for _ in range(12)]
     for x, y in batches[:2]:
@@ -451,10 +438,7 @@ def test_eval_mode_after_training_recompiles_and_matches_eager():
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     model.eval(); ref.eval()           # dropout off: a reused training graph would not match
     for _ in range(3):
-        x, y = _mlp_batch()
-        loss = step(x, y)
-        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+        _step_both(step, ref, ref_opt, *_mlp_batch())
     assert step.compile_count == 2
     _assert_same_training(model, opt, ref, ref_opt, "eval")
 
@@ -483,10 +467,7 @@ def test_rule_optimizer_reading_beyond_its_group_is_read_every_step():
 
     for i in range(6):
         opt.scale = ref_opt.scale = 1.0 if i < 3 else 0.1
-        x, y = _mlp_batch()
-        loss = step(x, y)
-        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+        _step_both(step, ref, ref_opt, *_mlp_batch())
     _assert_same_training(model, opt, ref, ref_opt, "scaled")
 
 
@@ -535,10 +516,7 @@ def test_parameter_back_in_its_group_sees_the_lr_changed_meanwhile():
         loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
 
     def both():
-        x, y = _mlp_batch()
-        loss = step(x, y)
-        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+        _step_both(step, ref, ref_opt, *_mlp_batch())
 
     def move_bias(m, o, out):
         params = o.param_groups[0]["params"]
@@ -561,24 +539,14 @@ def test_parameter_back_in_its_group_sees_the_lr_changed_meanwhile():
     _assert_same_training(model, opt, ref, ref_opt, "back in the group")
 
 
-def test_fused_adamw_step_mirror_with_cached_reads(monkeypatch):
+def test_fused_adamw_step_mirror_with_cached_reads(fused_adamw_via_mirror, count_slow_reads):
     """AdamW(fused=True) keeps ``step`` on the device; forge reads it through a CPU mirror (forced here on
     CPU), which the cached reads must refresh and write back at every step."""
-    import forge_compile.optim.translate as tr
-    monkeypatch.setattr(tr, "_uses_mirror", lambda group, p: tr._device_step_group(group))
-    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)
-    try:
-        tr.plan_optimizer(make([nn.Parameter(torch.zeros(2, 2))]))
-    except Exception:
-        pytest.skip("AdamW(fused=True) not available here")
-    calls = _count_slow_reads(monkeypatch)
+    make, calls = fused_adamw_via_mirror, count_slow_reads
     model, opt, ref, ref_opt, step = _train_both(MLP, make, _mlp_batch, F.mse_loss, steps=2)
     calls.update(states=0, hparams=0)
     for _ in range(4):
-        x, y = _mlp_batch()
-        loss = step(x, y)
-        rl = F.mse_loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), rtol=RTOL, atol=ATOL)
+        _step_both(step, ref, ref_opt, *_mlp_batch())
     assert calls == {"states": 0, "hparams": 0}, calls
     _assert_same_training(model, opt, ref, ref_opt, "fused AdamW, step mirror")
     assert all(float(opt.state[p]["step"]) == 6.0 for p in model.parameters())

@@ -78,18 +78,16 @@ class ParamStates:
 
 
 class StateCache:
-    """The reads of one optimizer's parameters. ``prepare_states``/``hparam_values`` are the slow reads
-    (``translate``'s by default; the backend passes its own module's names, which its tests count)."""
+    """The reads of one optimizer's parameters. ``translate.prepare_states``/``hparam_values`` are the slow
+    reads (looked up at each call: the tests count them by patching translate)."""
 
     SLOW_READS = 2
 
-    def __init__(self, prepare_states=None, hparam_values=None, keyed=False):
+    def __init__(self, keyed=False):
         # keyed: the caller compiles per key that holds every state's shape/stride/dtype/device, and
         # slow-reads every state (``force``) before it compiles for a new key (capture.py): a state that
         # still is the same object then needs no check of its own at each step
         self.keyed = keyed
-        self._prepare_states = prepare_states     # None: translate's, looked up at each call
-        self._hparam_values = hparam_values
         self.snapshots = {}                   # group index -> group_snapshot when last compared
         self.tick = 0                         # refreshes so far
         self._by_param = WeakIdKeyDictionary()  # param -> ParamStates, for entry()
@@ -132,7 +130,7 @@ class StateCache:
                 key = (pl.group_index, pl.rule)
                 values = shared.get(key)
                 if values is None:
-                    values = shared[key] = [float(v) for v in self._read_hparams(opt, pl)]
+                    values = shared[key] = [float(v) for v in translate.hparam_values(opt, pl)]
                 e.hparams.update(values)
 
     def _groups_changed(self, opt, indices) -> set:
@@ -148,14 +146,11 @@ class StateCache:
                 self.snapshots[gi] = snap
         return changed
 
-    def _read_hparams(self, opt, pl):
-        return (self._hparam_values or translate.hparam_values)(opt, pl)
-
     def _slow_read(self, opt, pl, e) -> None:
-        e.states = list((self._prepare_states or translate.prepare_states)(opt, pl))
+        e.states = list(translate.prepare_states(opt, pl))
         e.state = opt.state.get(pl.param)
         e.raw = [e.state.get(n) for n in pl.rule.states] if e.state is not None else []
-        e.hparams.update(self._read_hparams(opt, pl))
+        e.hparams.update(translate.hparam_values(opt, pl))
         e.settled = not translate.has_fresh_state(e.states)
         # (a RuleOptimizer subclass's own state_tensors may keep nothing in opt.state: raw is empty then)
         e.mirrored = (e.step_idx is not None and len(e.raw) > e.step_idx
