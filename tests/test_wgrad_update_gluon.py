@@ -435,49 +435,6 @@ def test_render_vec_every_rule(rule):
         wg.render_gluon_source(ep, "bogus")
 
 
-@sm90
-@pytest.mark.parametrize("layout", list(VEC_LAYOUTS))
-@pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
-def test_gluon_vec_exact_ragged(force_gluon, layout, name):
-    # ragged N/K/M (masked rows/columns of the last tiles), 5 CTAs: both consumers, many rounds, the prefetch past a
-    # consumer's last tile
-    _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=VEC_LAYOUTS[layout])
-
-
-@sm90
-@pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
-def test_gluon_vec_exact_full_layer(force_gluon, name):
-    _check_exact(RULES[name], 4096, 4096, 1024, config=wg.vec_config())
-
-
-@sm90
-@pytest.mark.parametrize("name", ["adamw_fma", "clampy", "rmsprop_cm"])
-def test_gluon_vec_exact_other_rules(force_gluon, name):
-    _check_exact(RULES[name], 1000, 776, 333, max_ctas=3, config=wg.vec_config())
-
-
-@sm90
-def test_gluon_vec_int64_offsets(force_gluon):
-    # BIG (int64 element offsets, chosen when N * K passes 2^31) forced on a small layer: same results
-    rule = RULES["adamw"]
-    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
-    grad = torch.full_like(w, float("nan"))
-    w_e, st_e = w.clone(), [s.clone() for s in st]
-    kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, grad, config=wg.vec_config(),
-                                                 max_ctas=5)
-    assert opts["BIG"] is False
-    kernel[grid](*args, **{**opts, "BIG": True})
-    torch.cuda.synchronize()
-    assert not grad.isnan().any()
-    with torch.no_grad():
-        rule.apply(w_e, grad, [s for s in st_e], hp)
-    # the scalar state (step) was not advanced by the bare kernel launch: eager applied to the same inputs
-    assert torch.equal(w, w_e)
-    for s, e in zip(st, st_e):
-        if s.dim():
-            assert torch.equal(s, e)
-
-
 # ---- v11: dW through smem, deep vector lookahead (GConfig.epi="smem"; selectable, never picked) ---------------
 
 SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(rows=8),
@@ -555,35 +512,43 @@ def test_render_smem_every_rule(rule):
     assert smem.count("gl.load(") == n_states + 1 and smem.count("gl.store(") == n_states + 2
 
 
+# the two vector-load epilogues (v10 "vec", v11 "smem"): the same exactness checks
+VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS}
+VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config}
+
+
 @sm90
-@pytest.mark.parametrize("layout", list(SMEM_LAYOUTS))
+@pytest.mark.parametrize("layout", list(VECTOR_LAYOUTS))
 @pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
-def test_gluon_smem_exact_ragged(force_gluon, layout, name):
-    # ragged N/K/M (masked rows/columns of the last tiles), 5 CTAs: both consumers, many rounds, the lookahead past
-    # a consumer's last tile
-    _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=SMEM_LAYOUTS[layout])
+def test_gluon_vector_epilogue_exact_ragged(force_gluon, layout, name):
+    # ragged N/K/M (masked rows/columns of the last tiles), 5 CTAs: both consumers, many rounds, the loads ahead
+    # past a consumer's last tile
+    _check_exact(RULES[name], 1000, 776, 333, max_ctas=5, config=VECTOR_LAYOUTS[layout])
 
 
 @sm90
+@pytest.mark.parametrize("epi", list(VECTOR_CONFIGS))
 @pytest.mark.parametrize("name", ["adamw", "sgdm", "lion"])
-def test_gluon_smem_exact_full_layer(force_gluon, name):
-    _check_exact(RULES[name], 4096, 4096, 1024, config=wg.smem_config())
+def test_gluon_vector_epilogue_exact_full_layer(force_gluon, epi, name):
+    _check_exact(RULES[name], 4096, 4096, 1024, config=VECTOR_CONFIGS[epi]())
 
 
 @sm90
+@pytest.mark.parametrize("epi", list(VECTOR_CONFIGS))
 @pytest.mark.parametrize("name", ["adamw_fma", "clampy", "rmsprop_cm"])
-def test_gluon_smem_exact_other_rules(force_gluon, name):
-    _check_exact(RULES[name], 1000, 776, 333, max_ctas=3, config=wg.smem_config())
+def test_gluon_vector_epilogue_exact_other_rules(force_gluon, epi, name):
+    _check_exact(RULES[name], 1000, 776, 333, max_ctas=3, config=VECTOR_CONFIGS[epi]())
 
 
 @sm90
-def test_gluon_smem_int64_offsets(force_gluon):
+@pytest.mark.parametrize("epi", list(VECTOR_CONFIGS))
+def test_gluon_vector_epilogue_int64_offsets(force_gluon, epi):
     # BIG (int64 element offsets, chosen when N * K passes 2^31) forced on a small layer: same results
     rule = RULES["adamw"]
     w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
     grad = torch.full_like(w, float("nan"))
     w_e, st_e = w.clone(), [s.clone() for s in st]
-    kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, grad, config=wg.smem_config(),
+    kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, grad, config=VECTOR_CONFIGS[epi](),
                                                  max_ctas=5)
     assert opts["BIG"] is False
     kernel[grid](*args, **{**opts, "BIG": True})
@@ -591,6 +556,7 @@ def test_gluon_smem_int64_offsets(force_gluon):
     assert not grad.isnan().any()
     with torch.no_grad():
         rule.apply(w_e, grad, [s for s in st_e], hp)
+    # the scalar state (step) was not advanced by the bare kernel launch: eager applied to the same inputs
     assert torch.equal(w, w_e)
     for s, e in zip(st, st_e):
         if s.dim():
