@@ -171,6 +171,26 @@ def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID:
     return acc
 
 
+@gluon.jit
+def _gemm_ring(dy_desc, x_desc, STAGES: gl.constexpr):
+    # the GEMM operand ring of the kernels without an epilogue ring (vec, smem, gemm): dY / X stages, their
+    # ready / empty barriers, and the mma turn the two consumers pass each other
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(mma_turn.index(i), count=1)
+    return a_bufs, b_bufs, ready, empty, mma_turn
+
+
 '''
 
 _TMA_LOADERS = '''\
@@ -649,7 +669,6 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               EPI_N: gl.constexpr, BIG: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -659,16 +678,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
-    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(mma_turn.index(i), count=1)
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
 
     gl.warp_specialize([
         (_vec_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn,
@@ -798,7 +808,6 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -809,8 +818,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
-    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
     # the consumers' dW tiles (2 x 64 KB). Swizzle: 32 B units (8 fp32) XOR-permuted by row mod 4 within each
     # 128 B. The accumulator's store (st.shared.v2: a half-warp writes 4 rows x 32 B of one column block) then hits
     # 4 different 32 B bank groups, and the chunk loads (ld.shared.v4, a warp reads one whole 512 B row) stay
@@ -819,14 +827,6 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
     dw0 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
     dw1 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(mma_turn.index(i), count=1)
 
     gl.warp_specialize([
         (_smem_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw0,
@@ -888,7 +888,6 @@ def _gemm_consumer1(dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma
 def wgrad_update_gluon_kernel(dy_desc, x_desc, sums_ptr, M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -896,16 +895,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, sums_ptr, M, N, K,
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
-    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(mma_turn.index(i), count=1)
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
 
     gl.warp_specialize([
         (_gemm_consumer, (dy_desc, x_desc, sums_ptr, a_bufs, b_bufs, ready, empty, mma_turn, M, num_tiles, num_n,
