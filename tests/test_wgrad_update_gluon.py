@@ -104,7 +104,7 @@ def test_pick_gconfig_fits_smem():
         for m in (64, 512, 513, 8192):
             for act_bytes in (2, 4):
                 cfg = wg.pick_gconfig(m, n_arrays, act_bytes)
-                if cfg.epi == "smem":   # v11, where measured faster (test_smem_picked_where_measured)
+                if cfg.epi in ("smem", "split"):   # v11/v12, where measured faster (test_vector_picks_where_measured)
                     assert wg.gconfig_smem(cfg, n_arrays, act_bytes) <= wg._RING_SMEM
                     continue
                 assert cfg is not None and cfg.stages >= 2 and cfg.nring in (1, 2), (m, n_arrays)
@@ -149,7 +149,7 @@ def test_ring_budget_by_m():
     small, mid, large = (wg._pick_tma(m, 3) for m in (256, 1024, 2048))
     assert (small.stages, small.es) == (3, 5) and (mid.stages, mid.es) == (4, 4) and (large.stages, large.es) == (4, 3)
     assert wg.gconfig_smem(mid, 3) == 224 * 1024 and wg.gconfig_smem(large, 3) <= 208 * 1024
-    assert wg.pick_gconfig(256, 2).es == 8 and wg.pick_gconfig(2048, 2).es == 5
+    assert wg._pick_tma(256, 2).es == 8 and wg._pick_tma(2048, 2).es == 5
 
 
 def test_check_gconfig_refuses_unsupported():
@@ -439,22 +439,31 @@ def test_render_vec_every_rule(rule):
 
 SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(rows=8),
                 "smem_r16a1s3": wg.smem_config(ahead=1), "smem_r16a2s2": wg.smem_config(stages=2),
-                "smem_r16a2b32s6": wg.smem_config(bmt=32, stages=6)}
+                "smem_r16a2b32s6": wg.smem_config(bmt=32, stages=6),
+                # L2 hints (v12): evict_first loads and stores / .cs stores
+                "smem_r16a2s3_first": wg.smem_config(evict="first"), "smem_r16a2s3_cs": wg.smem_config(evict="cs")}
 
 
-def test_smem_picked_where_measured():
-    # H200 (NOTES_kernel.md v11): faster for AdamW's 3 arrays at M <= 1024 (4.8-7.8 %), slower from M=2048 on and
-    # for the 2-array rules; not measured with more arrays; with fp32 activations its 3 GEMM stages do not fit
+def test_vector_picks_where_measured():
+    # H200 (NOTES_kernel.md v11, v12), 2-byte activations: the split kernel for AdamW's 3 arrays above M=512 and
+    # for the 2-array rules above M=1024 (7-13 % faster at M=2048); the smem epilogue for 3 arrays at M <= 512;
+    # the TMA ring elsewhere (the 2-array rules at M <= 1024, 4+ arrays: not measured with the others); with fp32
+    # activations neither fits its GEMM stages
     for n_arrays in range(1, 6):
-        for m in (64, 256, 1024, 1025, 8192):
+        for m in (64, 256, 512, 513, 1024, 1025, 8192):
             for act_bytes in (2, 4):
-                want = "smem" if (n_arrays == 3 and m <= 1024 and act_bytes == 2) else "tma"
+                want = "tma"
+                if act_bytes == 2 and n_arrays == 3:
+                    want = "smem" if m <= 512 else "split"
+                elif act_bytes == 2 and n_arrays == 2 and m > 1024:
+                    want = "split"
                 assert wg.pick_gconfig(m, n_arrays, act_bytes).epi == want, (m, n_arrays, act_bytes)
                 cands = wg.gconfig_candidates(m, n_arrays, act_bytes)
                 assert cands[0] == wg.pick_gconfig(m, n_arrays, act_bytes)
-                assert (cands[1] == wg._pick_tma(m, n_arrays, act_bytes)) if want == "smem" else \
+                assert (cands[1] == wg._pick_tma(m, n_arrays, act_bytes)) if want != "tma" else \
                     all(c.epi == "tma" for c in cands)
     assert wg.pick_gconfig(256, 3) == wg.smem_config()
+    assert wg.pick_gconfig(2048, 3) == wg.pick_gconfig(2048, 2) == wg.split_config()
     for name, cfg in SMEM_LAYOUTS.items():
         wg._check_gconfig(cfg)
         assert cfg.epi == "smem" and cfg.epi_n == 128, name
@@ -512,9 +521,59 @@ def test_render_smem_every_rule(rule):
     assert smem.count("gl.load(") == n_states + 1 and smem.count("gl.store(") == n_states + 2
 
 
-# the two vector-load epilogues (v10 "vec", v11 "smem"): the same exactness checks
-VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS}
-VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config}
+# ---- v12: one MMA warpgroup, two epilogue warpgroups (GConfig.epi="split") ----------------------------------
+
+SPLIT_LAYOUTS = {"split_r8a4s5": wg.split_config(), "split_r16a2s5": wg.split_config(rows=16, ahead=2),
+                 "split_r8a4b32s10": wg.split_config(stages=10, bmt=32),
+                 # one chunk ahead and a 2-deep ring: the hand-offs with the least slack
+                 "split_r8a1s2": wg.split_config(ahead=1, stages=2),
+                 "split_r8a3e136": wg.split_config(ahead=3, eregs=136), "split_r8a4_cs": wg.split_config(evict="cs")}
+
+
+def test_split_layouts_fit():
+    for name, cfg in SPLIT_LAYOUTS.items():
+        wg._check_gconfig(cfg)
+        assert cfg.epi == "split" and cfg.epi_n == 128 and cfg.maxnreg == 128, name
+        # GEMM ring + ONE fp32 dW tile
+        assert wg.gconfig_smem(cfg, 4, 2, True) == cfg.stages * cfg.bmt * 256 * 2 + 64 * 1024 <= 224 * 1024, name
+    assert wg.split_config().stages == wg.SPLIT_STAGES == 5
+
+
+def test_check_gconfig_refuses_split_combinations():
+    # [8|16, 128] chunks, lookahead 1 .. the chunks of a half tile (64 / rows), a GEMM ring that fits 224 KB beside
+    # one 64 KB dW tile; 16 warps launch with maxnreg <= 128 and the epilogue warpgroups must leave the MMA
+    # warpgroup its 128 accumulator registers and more
+    ok = dict(epi="split", epi_m=8, epi_n=128, stages=5, es=0, ahead=4, cregs=152, maxnreg=128)
+    wg._check_gconfig(wg.GConfig(**ok))
+    wg._check_gconfig(wg.GConfig(**{**ok, "ahead": 8}))
+    wg._check_gconfig(wg.GConfig(**{**ok, "bmt": 32, "stages": 10}))
+    for bad in (dict(epi_m=32), dict(epi_n=64), dict(ahead=0), dict(ahead=9), dict(epi_m=16, ahead=5),
+                dict(stages=1), dict(stages=6), dict(bmt=32, stages=11), dict(nring=2), dict(eout=1), dict(bn=64),
+                dict(maxnreg=136), dict(cregs=176), dict(evict="last")):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
+
+
+@pytest.mark.parametrize("rule", CATALOGUE + [RULES["adamw_fma"], RULES["clampy"]], ids=lambda r: r.name)
+def test_render_split_every_rule(rule):
+    ep = compile_epilogue(rule, "cuda")
+    smem, split = wg.render_gluon_source(ep, "smem"), wg.render_gluon_source(ep, "split")
+    ast.parse(split)
+    # the smem kernel's chunk code and the tma module's GEMM pieces, word for word
+    for helper in ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma", "_smem_chunk", "_smem_load", "_smem_step"):
+        src = f"def {helper}("
+        assert smem.split(src, 1)[1].split("@gluon.jit", 1)[0] == split.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    # one MMA warpgroup (no turn), two epilogue warpgroups, the loader
+    kernel = split.split("def wgrad_update_gluon_kernel", 1)[1]
+    assert "[4, 4, 1]" in kernel and kernel.count("_split_epi") == 2 and "_split_mma" in kernel
+    assert split.count("_tile_mma(") == 2 and "False)" in split.split("def _split_mma", 1)[1].split("@gluon", 1)[0]
+    n_states = len(ep.tensor_inputs) - 2
+    assert split.count("gl.load(") == n_states + 1 and split.count("gl.store(") == n_states + 2
+
+
+# the vector-load epilogues (v10 "vec", v11 "smem", v12 "split"): the same exactness checks
+VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS, **SPLIT_LAYOUTS}
+VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config, "split": wg.split_config}
 
 
 @sm90

@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
-           "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape"]
+           "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape", "split_config",
+           "SPLIT_STAGES"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -151,12 +152,14 @@ def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, nu
 
 @gluon.jit
 def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID: gl.constexpr,
-              STAGES: gl.constexpr, acc_layout: gl.constexpr):
+              STAGES: gl.constexpr, acc_layout: gl.constexpr, TURN: gl.constexpr = True):
     # one tile's GEMM over all of M (ring entries it0 ..): wait for this consumer's mma turn, wgmma each stage and
-    # free the previous one, hand the turn over, drain; returns the [BN, BK] fp32 accumulator
+    # free the previous one, hand the turn over, drain; returns the [BN, BK] fp32 accumulator. TURN=False: the
+    # only warpgroup issuing MMAs (epi="split"), no turn
     BN: gl.constexpr = a_bufs.type.shape[2]
     BK: gl.constexpr = b_bufs.type.shape[2]
-    mbarrier.wait(mma_turn.index(CID), turn_ph)
+    if TURN:
+        mbarrier.wait(mma_turn.index(CID), turn_ph)
     acc = gl.zeros([BN, BK], gl.float32, acc_layout)
     for ks in range(ksteps):
         it = it0 + ks
@@ -165,7 +168,8 @@ def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID:
         acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
-    mbarrier.arrive(mma_turn.index(1 - CID))
+    if TURN:
+        mbarrier.arrive(mma_turn.index(1 - CID))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((it0 + ksteps - 1) % STAGES))
     return acc
@@ -699,7 +703,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 # (R = epi_m: 8 or 16) in a 16-byte-vector blocked layout (a warp reads/writes whole 512 B rows), with the W/states
 # loads of AHEAD chunks (1 or 2) in flight ahead of the math, carried into the consumer's next tile (so the first
 # chunks of a tile arrive during its GEMM). Partitions as for "vec": the two consumers + the GEMM loader.
-_SMEM_KERNEL = '''\
+_SMEM_EPI = '''\
 @gluon.jit
 def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr,
                 GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr):
@@ -718,38 +722,43 @@ def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.co
 
 @gluon.jit
 def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr,
-               R: gl.constexpr, GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr):
+               R: gl.constexpr, GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr):
     # W and the tensor states of chunk c of tile t (16-byte vectors), as one tuple
     offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
-    return (gl.load(w_ptr + offs, mask=msk), {smem_state_loads})
+    return (gl.load(w_ptr + offs, mask=msk, eviction_policy=LD_EV), {smem_state_loads})
 
 
 @gluon.jit
-def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles, num_n, num_k, N, K,
+def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, num_tiles, num_n, num_k, N, K,
                BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr,
-               L: gl.constexpr, BIG: gl.constexpr, STORE_GRAD: gl.constexpr):
-    # chunk c of tile t. ahead[0] holds its W/states (loaded AHEAD chunks earlier), ahead[1:] the following chunks'.
-    # First the loads of chunk c + AHEAD (in this tile or in this consumer's next one, 2 * nprog tiles on), then
-    # dW from smem, the rule and the stores. Returns the lookahead shifted by one chunk.
-    NCH: gl.constexpr = BN // R
-    nxt = _smem_load(t + ((c + AHEAD) // NCH) * 2 * nprog, (c + AHEAD) % NCH, w_ptr, {state_ptrs}num_tiles,
-                     num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
+               L: gl.constexpr, BIG: gl.constexpr, STORE_GRAD: gl.constexpr, LD_EV: gl.constexpr,
+               ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
+    # chunk C0 + c of tile t; the calling warpgroup walks chunks C0 .. C0 + CNT - 1 of every tile it takes, tstep
+    # tiles apart. ahead[0] holds this chunk's W/states (loaded AHEAD chunks earlier), ahead[1:] the following
+    # chunks'. First the loads of the chunk AHEAD on (in this tile or in the warpgroup's next one), then dW from
+    # smem, the rule and the stores. Returns the lookahead shifted by one chunk.
+    nxt = _smem_load(t + ((c + AHEAD) // CNT) * tstep, C0 + (c + AHEAD) % CNT, w_ptr, {state_ptrs}num_tiles,
+                     num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG, LD_EV)
     {carry} = ahead[0]
-    g = dw.index(c).load(L)
+    g = dw.index(C0 + c).load(L)
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
-    offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
-    gl.store(w_ptr + offs, {new_p}, mask=msk)
-{vec_stores}
+    offs, msk = _smem_chunk(t, C0 + c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
+    gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
+{smem_stores}
     if STORE_GRAD:
-        gl.store(g_ptr + offs, g, mask=msk)
+        gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
     return ahead[1:] + (nxt, )
 
 
+'''
+
+_SMEM_KERNEL = '''\
 @gluon.jit
 def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
                    {scalar_params}M, N, K, num_tiles, num_n, num_k,
                    CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
-                   R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr):
+                   R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
+                   ST_EV: gl.constexpr, ST_CM: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -772,7 +781,8 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
     t0 = pid + CID * nprog
     ahead = ()
     for d in gl.static_range(AHEAD):
-        ahead += (_smem_load(t0, d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG), )
+        ahead += (_smem_load(t0, d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG,
+                             LD_EV), )
     for t in range(t0, num_tiles, 2 * nprog):
         # the GEMM ring is shared: mma turn as in the tma kernel's _consumer
         turn_ph = (r & 1) ^ (1 - CID)
@@ -787,8 +797,9 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
         # a rolled loop for every rule: the chunk is addressed at run time (smem index, offsets), no selects
         # needed (v10's _pick); unrolled, Lion with dW spilled 48 B at [16, 128] x 2 and its SASS was 2.5x larger
         for c in range(NCH):
-            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles,
-                               num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD)
+            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}2 * nprog,
+                               num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
+                               ST_EV, ST_CM, 0, NCH)
         j += 2
         r += 1
 
@@ -797,16 +808,19 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
 def _smem_consumer1(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
                     {scalar_params}M, N, K, num_tiles, num_n, num_k,
                     GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
-                    R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr):
+                    R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
+                    ST_EV: gl.constexpr, ST_CM: gl.constexpr):
     _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
-                   {scalar_params}M, N, K, num_tiles, num_n, num_k, 1, GROUP, STAGES, STORE_GRAD, R, AHEAD, BIG)
+                   {scalar_params}M, N, K, num_tiles, num_n, num_k, 1, GROUP, STAGES, STORE_GRAD, R, AHEAD, BIG,
+                   LD_EV, ST_EV, ST_CM)
 
 
 @gluon.jit
 def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
-                              R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr,
+                              R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
+                              ST_EV: gl.constexpr, ST_CM: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -831,13 +845,122 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     gl.warp_specialize([
         (_smem_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw0,
                           {scalar_params}M, N, K, num_tiles, num_n, num_k, 0, GROUP, STAGES, STORE_GRAD, R, AHEAD,
-                          BIG)),
+                          BIG, LD_EV, ST_EV, ST_CM)),
         (_smem_consumer1, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn,
                            dw1, {scalar_params}M, N, K, num_tiles, num_n, num_k, GROUP, STAGES, STORE_GRAD, R,
-                           AHEAD, BIG)),
+                           AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
+'''
+
+
+# v12 (GConfig.epi="split"): the roles split. The ping-pong kernels (tma, vec, smem) give each consumer
+# warpgroup a tile's GEMM AND its epilogue, so while one streams W/states the other is in its GEMM: one warpgroup's
+# loads in flight per SM. Nsight Compute on the H200 (NOTES_kernel.md v12): at M=2048 the tma kernel moves 480 MB
+# of DRAM traffic at 2.6 TB/s (55 % of peak; the epilogue alone at M=64 2.75 TB/s, with both consumers streaming),
+# so the limit is bytes in flight, not DRAM bandwidth or the GEMM (whose schedule alone is at cuBLAS speed). Here
+# one warpgroup does every tile's GEMM back to back (no mma turn) and parks dW in one [128, 128] fp32 smem tile;
+# two epilogue warpgroups take half of its rows each and stream W/states with the smem kernel's chunk code
+# (_smem_step: 16-byte vectors, AHEAD chunks of lookahead carried across tiles), so both stream all the time,
+# beside the MMAs. Hand-off: dw_bar[0] "full" (the MMA warpgroup arrives after its store), dw_bar[1] "empty"
+# (count 2: each epilogue warpgroup after its last read of the tile). One dW tile leaves 160 KB for the GEMM ring.
+_SPLIT_KERNEL = '''\
+@gluon.jit
+def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
+               STAGES: gl.constexpr):
+    BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BK, 16])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ksteps = gl.cdiv(M, BMT)
+    r = 0
+    for t in range(pid, num_tiles, nprog):
+        acc = _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, 0, r * ksteps, ksteps, 0, STAGES, acc_layout,
+                        False)
+        # the epilogue warpgroups have read the previous tile's dW (phase trick: passes at once for r = 0)
+        mbarrier.wait(dw_bar.index(1), (r & 1) ^ 1)
+        dw.store(acc)
+        # every thread's part of the tile is in smem before the (single-thread) arrive releases it
+        gl.thread_barrier()
+        mbarrier.arrive(dw_bar.index(0))
+        r += 1
+
+
+@gluon.jit
+def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
+               H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
+               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
+               ST_CM: gl.constexpr):
+    # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
+    CNT: gl.constexpr = BN // 2 // R
+    gl.static_assert(AHEAD <= CNT)
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    # the first tile's first AHEAD chunks: loaded while its GEMM runs
+    ahead = ()
+    for d in gl.static_range(AHEAD):
+        ahead += (_smem_load(pid, H * CNT + d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP,
+                             L, BIG, LD_EV), )
+    r = 0
+    for t in range(pid, num_tiles, nprog):
+        mbarrier.wait(dw_bar.index(0), r & 1)
+        for c in range(CNT):
+            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles,
+                               num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV, ST_EV,
+                               ST_CM, H * CNT, CNT)
+        # all four warps' reads of the tile are done before the (single-thread) arrive frees it
+        gl.thread_barrier()
+        mbarrier.arrive(dw_bar.index(1))
+        r += 1
+
+
+@gluon.jit
+def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
+                BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
+                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
+                ST_CM: gl.constexpr):
+    _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)
+
+
+@gluon.jit
+def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
+                              {scalar_params}M, N, K,
+                              GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
+                              R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
+                              ST_EV: gl.constexpr, ST_CM: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(num_warps == 4)
+    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
+    K = gl.multiple_of(K, 8)
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = num_n * num_k
+
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
+    # the dW tile: the smem kernel's swizzle (conflict-free accumulator store and row-chunk loads)
+    dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
+    dw = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
+    dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(dw_bar.index(0), count=1)
+    mbarrier.init(dw_bar.index(1), count=2)
+
+    gl.warp_specialize([
+        (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES)),
+        (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                        STAGES)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
 
@@ -952,13 +1075,14 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
     )
     if epi == "gemm":
         return (_HEAD + _GEMM_KERNEL).format(**common)
-    if epi == "smem":
-        return (_HEAD + _SMEM_KERNEL).format(
+    if epi in ("smem", "split"):
+        return (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
             **common,
             carry="".join(f"{v}, " for v in ("p", *states)),
             state_ptrs="".join(f"{s}_ptr, " for s in states),
-            smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk), " for s in states),
-            vec_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk)" for s, v in zip(states, new_vars[1:])),
+            smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
+            smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
+                                   "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
         )
     if epi == "vec":
         return (_HEAD + _SPLITS + _VEC_KERNEL).format(
@@ -1074,6 +1198,9 @@ class GConfig:
     #                        dW stored instead of any W/state traffic (es, epi_m/n, nring, eout, ahead unused);
     #                        gemm_config()
     ahead: int = 1         # epi="smem": chunks of W/states loads in flight ahead of the math (1 or 2)
+    evict: str = ""        # epi="smem": L2 hints of the W/state stream, which is touched once while the GEMM
+    #                        re-reads its dY/X panels from L2 ("": none; "first": loads and stores evict_first;
+    #                        "cs": loads evict_first, stores .cs) -- v12, NOTES_kernel.md
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -1111,6 +1238,8 @@ def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bo
         return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.epi_m * cfg.epi_n * 4
     if cfg.epi == "smem":
         return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.bn * cfg.bk * 4
+    if cfg.epi == "split":
+        return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + cfg.bn * cfg.bk * 4
     ch = chunk_bytes(cfg)
     if cfg.eout == 0:
         epi = cfg.es * n_arrays * ch
@@ -1124,18 +1253,30 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     """The configuration for M tokens and ``n_arrays`` fp32 arrays the epilogue streams (W, tensor states, dW
     when stored); None when nothing fits (the caller then takes the Triton kernel).
 
-    v11's smem epilogue (dW through smem, two [16, 128] chunks of loads in flight) where the H200 measured it
-    faster: 3 arrays (AdamW's W, exp_avg, exp_avg_sq) at M <= 1024 with 2-byte activations -- AdamW 4096x4096
-    M=64/256/1024 0.1150/0.1206/0.1429 ms vs the TMA ring's 0.1238/0.1300/0.1497 (4.8-7.8 %), 14336x4096 M=256
-    6.7 %; it lost from M=2048 on (8-35 %: 3 GEMM stages) and for the 2-array rules (SGD-momentum, Lion: 1 %
-    slower at M=256, whose TMA ring runs 8 slots); not measured with 4 or more arrays. Else the TMA ring
-    (``_pick_tma``). NOTES_kernel.md v11.
+    With 2-byte activations, where the H200 measured them faster (NOTES_kernel.md v11, v12):
+    - v12's split kernel (one MMA warpgroup, two epilogue warpgroups) for 3 arrays (AdamW's W, exp_avg,
+      exp_avg_sq) above M=512 and for 2 arrays (SGD-momentum, Lion) above M=1024: AdamW 4096x4096 M=1024/2048/
+      4096/8192 4-6/11-13/10/7 % faster than the previous picks, lm_head 128256x4096 M=1024/4096 4/10 %,
+      14336x4096 M=1024/8192 4/1 % (4096x14336 M=8192 2 % slower); SGD-momentum / Lion M=2048 11/9 %, 4096 6 %,
+      8192 -1/+4 %; at M <= 1024 the 2-array rules' TMA ring (8 slots) stayed 2-10 % faster;
+    - v11's smem epilogue (dW through smem, two [16, 128] chunks of loads in flight) for 3 arrays at M <= 512:
+      AdamW 4096x4096 M=64/256 0.1150/0.1206 ms vs the TMA ring's 0.1238/0.1300, the split kernel 0.1256 at 256;
+    - else the TMA ring (``_pick_tma``); 4 or more arrays (dW stored, Adam-amsgrad) were not measured with the
+      split kernel and stay there.
     """
-    if n_arrays == 3 and m <= _SMALL_M:
+    cfg = None
+    if m > _SPLIT_M.get(n_arrays, m):
+        cfg = split_config()
+    elif n_arrays == 3:
         cfg = smem_config()
-        if gconfig_smem(cfg, n_arrays, act_bytes) <= _RING_SMEM:    # fp32 activations: 3 GEMM stages do not fit
-            return cfg
+    # fp32 activations: neither fits its GEMM stages (the TMA ring's pick then runs fewer)
+    if cfg is not None and gconfig_smem(cfg, n_arrays, act_bytes) <= _RING_SMEM:
+        return cfg
     return _pick_tma(m, n_arrays, act_bytes)
+
+
+# arrays streamed -> the largest M that does NOT take the split kernel (pick_gconfig)
+_SPLIT_M = {3: 512, 2: 1024}
 
 
 def _pick_tma(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
@@ -1160,10 +1301,11 @@ def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfi
     """Configurations worth timing for a launch (wgrad_update_autotune): pick_gconfig's, then the same layout with
     the other GEMM ring depth (3 or 4 stages, slots as many as fit) -- the one knob whose best value moved with M
     in every sweep (v4-v7); the chunk layouts and two rings lost everywhere and are not worth compiling. Where
-    the pick is the smem epilogue (v11): it, then the TMA ring's pick (their margin was 5-8 %)."""
+    the pick is the smem epilogue (v11) or the split kernel (v12): it, then the TMA ring's pick (margins of
+    -2 to 13 %)."""
     pick = pick_gconfig(m, n_arrays, act_bytes)
     base = _pick_tma(m, n_arrays, act_bytes)
-    if pick is not None and pick.epi == "smem":
+    if pick is not None and pick.epi in ("smem", "split"):
         return [pick] + ([base] if base is not None else [])
     if base is None:
         return []
@@ -1206,7 +1348,12 @@ def smem_ahead(cfg: GConfig, n_load: int) -> int:
     return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * n_load)))
 
 
-def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: int = 64) -> GConfig:
+# GConfig.evict -> (load eviction_policy, store eviction_policy, store cache_modifier) of the smem epilogue
+_EVICT = {"": ("", "", ""), "first": ("evict_first", "evict_first", ""), "cs": ("evict_first", "", ".cs")}
+
+
+def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: int = 64,
+                evict: str = "") -> GConfig:
     """The v11 epilogue (GConfig.epi="smem"): dW through each consumer's smem tile, [rows, 128] chunks with
     ``ahead`` chunks of W/states loads in flight (at most: ``smem_ahead`` lowers it for rules with 3 tensor states),
     ``stages`` GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). No epilogue ring
@@ -1214,7 +1361,26 @@ def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: 
     # setmaxnreg 240 for the consumers: the lookahead stays live across the next tile's GEMM, next to the 128
     # accumulator registers (AdamW [16, 128] x 2 ahead spilled 8 B at 232, 44 B at 248, where the compiler then
     # gives the default partition only 232; 0 at 240, both consumers 240)
-    cfg = GConfig(epi="smem", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240)
+    cfg = GConfig(epi="smem", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240,
+                  evict=evict)
+    _check_gconfig(cfg)
+    return cfg
+
+
+# v12 (epi="split", prepared on CPU): one dW tile (64 KB) leaves 160 KB for 5 GEMM stages of 64 tokens
+SPLIT_STAGES = 5
+
+
+def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
+                 eregs: int = 152) -> GConfig:
+    """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
+    with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
+    GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
+    warp to a warpgroup, so 16 warps launch with the cap (maxnreg) 128 (512 threads x 128 = the 64 K registers);
+    setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
+    (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
+    cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
+                  maxnreg=128, evict=evict)
     _check_gconfig(cfg)
     return cfg
 
@@ -1272,10 +1438,21 @@ def _check_gconfig(cfg: GConfig):
         # sm_90 compile even with one chunk ahead (404 B; 1,352 B with dW)
         if not (cfg.bn == cfg.bk == 128 and cfg.bmt in (32, 64) and cfg.epi_m in (8, 16) and cfg.epi_n == 128
                 and cfg.ahead in (1, 2) and cfg.nring == 1 and cfg.eout == 0 and cfg.stages >= 2
-                and gconfig_smem(cfg, 0, 2) <= _RING_SMEM):
+                and cfg.evict in _EVICT and gconfig_smem(cfg, 0, 2) <= _RING_SMEM):
             raise ValueError(f"unsupported Gluon config {cfg} (epi='smem': [8|16, 128] chunks, ahead 1-2, "
                              f">= 2 GEMM stages of 32 or 64 tokens within {_RING_SMEM // 1024} KB with the dW tiles, "
                              "nring=1, eout=0)")
+        return
+    if cfg.epi == "split":
+        # _split_epi: [R, 128] chunks, R 8 or 16, each epilogue warpgroup walks BN / 2 / R of them per tile (the
+        # lookahead at most that many); one dW tile beside the GEMM ring within the smem budget
+        if not (cfg.bn == cfg.bk == 128 and cfg.bmt in (32, 64) and cfg.epi_m in (8, 16) and cfg.epi_n == 128
+                and 1 <= cfg.ahead <= cfg.bn // 2 // cfg.epi_m and cfg.nring == 1 and cfg.eout == 0
+                and cfg.stages >= 2 and cfg.evict in _EVICT and gconfig_smem(cfg, 0, 2) <= _RING_SMEM
+                and cfg.maxnreg * 16 * 32 <= 65536 and 2 * 128 * cfg.cregs + 128 * 24 <= 65536 - 128 * 168):
+            raise ValueError(f"unsupported Gluon config {cfg} (epi='split': [8|16, 128] chunks, lookahead <= the "
+                             f"chunks per half tile, >= 2 GEMM stages of 32 or 64 tokens within "
+                             f"{_RING_SMEM // 1024} KB with the dW tile, nring=1, eout=0, registers for 16 warps)")
         return
     if cfg.epi != "tma":
         raise ValueError(f"Gluon config {cfg}: unknown epilogue data path {cfg.epi!r}")
@@ -1441,15 +1618,17 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
-    if cfg.epi == "smem":
-        kernel = _kernel_for(rule, "smem")
+    if cfg.epi in ("smem", "split"):
+        kernel = _kernel_for(rule, cfg.epi)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
                 m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
+        ld_ev, st_ev, st_cm = _EVICT[cfg.evict]
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=grad_out is not None, R=cfg.epi_m,
+                    LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
                     maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
