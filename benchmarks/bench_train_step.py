@@ -45,6 +45,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -213,6 +214,65 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def thread_cpu_snapshot():
+    """{native tid: (CPU seconds, comm)} for every thread of this process; {} without /proc (not Linux).
+
+    time.process_time() says the process burns more CPU than the main thread, not which thread: the kernel's
+    per-task counters do, for threads that Python does not know about too (autograd, CUDA, OpenMP, Triton).
+    Resolution is one clock tick (10 ms at USER_HZ 100): meaningful over the whole timed loop, not per step."""
+    try:
+        tids = os.listdir("/proc/self/task")
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    snap = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:   # the thread ended between the listing and the read
+            continue
+        # comm (field 2) may hold spaces and parentheses: count fields from the last ')'; field 3 is [0]
+        fields = stat[stat.rindex(")") + 2:].split()
+        snap[int(tid)] = ((int(fields[11]) + int(fields[12])) / tick, comm)
+    return snap
+
+
+def thread_cpu_diff(before, after, n, names, top=8):
+    """Per-thread CPU ms per step between two snapshots, busiest first, the ``top`` busiest kept.
+
+    A thread started inside the window counts from 0; one that ended inside it is dropped (its last counters
+    are gone with it). ``names``: native tid -> Python thread name. The main thread is kept even outside the
+    top: it is the reference the others are read against."""
+    rows = [dict(tid=tid, comm=comm, py_name=names.get(tid),
+                 cpu_ms_per_step=(cpu - before.get(tid, (0.0,))[0]) * 1e3 / n)
+            for tid, (cpu, comm) in after.items()]
+    rows.sort(key=lambda r: -r["cpu_ms_per_step"])
+    main = [r for r in rows[top:] if r["py_name"] == threading.main_thread().name]
+    return rows[:top] + main
+
+
+def thread_stacks(depth=5):
+    """Innermost ``depth`` frames of every Python thread but the main one, right now: what a busy helper
+    thread (a compile worker, a pin-memory loop, ...) is doing. Formatted at once since frames are live."""
+    by_ident = {t.ident: t for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.main_thread().ident:
+            continue
+        t = by_ident.get(ident)
+        frames = []
+        while frame is not None and len(frames) < depth:
+            path = frame.f_code.co_filename.replace(os.sep, "/").split("/")
+            frames.append(f"{'/'.join(path[-2:])}:{frame.f_lineno}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        out.append(dict(tid=t.native_id if t else None, py_name=t.name if t else None, ident=ident,
+                        frames=frames))
+    return out
+
+
 def run_worker(cfg: dict, res: dict) -> dict:
     """One route at one micro-batch in this process; fills ``res`` as it goes (kept on a failure)."""
     route, mb = cfg["route"], cfg["mb"]
@@ -309,12 +369,15 @@ def run_worker(cfg: dict, res: dict) -> dict:
             sync(device)
             t_all = time.perf_counter()
             cpu_thread, cpu_proc = time.thread_time(), time.process_time()
+            threads0 = thread_cpu_snapshot()
             for (s, e), (x, y) in zip(ev, batches):
                 t0 = time.perf_counter()
                 s.record()
                 loss = step(x, y)
                 e.record()
                 host.append((time.perf_counter() - t0) * 1e3)
+            # before the sync: the main thread has just enqueued the last step, helpers may still be at work
+            stacks = thread_stacks()
             sync(device)
             # Host-bound when the host's time per step (enqueue, no sync) reaches the device's: then the events
             # measure the host. wall_ms = the whole loop (sync'd) per step: a second view of the same rate.
@@ -325,14 +388,17 @@ def run_worker(cfg: dict, res: dict) -> dict:
                        wall_ms=(time.perf_counter() - t_all) * 1e3 / n,
                        thread_cpu_ms=(time.thread_time() - cpu_thread) * 1e3 / n,
                        process_cpu_ms=(time.process_time() - cpu_proc) * 1e3 / n,
+                       **_threads_record(threads0, n, stacks),
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]
         else:
+            threads0 = thread_cpu_snapshot()
             for x, y in batches:
                 t0 = time.perf_counter()
                 loss = step(x, y)
                 times.append((time.perf_counter() - t0) * 1e3)
+            res.update(_threads_record(threads0, len(batches), thread_stacks()))
         if cfg.get("cprofile"):
             profile_steps(step, batches, device, cfg["result_path"] + ".cprofile.txt")
         last = float(loss)
@@ -344,6 +410,15 @@ def run_worker(cfg: dict, res: dict) -> dict:
             raise RuntimeError(f"non-finite loss {last} in the timed steps")
     res["status"] = "ok"
     return res
+
+
+def _threads_record(before, n, stacks):
+    """The run record's per-thread fields for the window that opened with ``before``; none without /proc."""
+    if not before:
+        return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    return dict(threads_cpu_ms_per_step=thread_cpu_diff(before, thread_cpu_snapshot(), n, names),
+                thread_stacks=stacks)
 
 
 def _memo_counters():
@@ -532,6 +607,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
                        host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
                        thread_cpu_ms=r.get("thread_cpu_ms"),
+                       threads_cpu_ms_per_step=r.get("threads_cpu_ms_per_step"),
                        check_losses=r.get("check_losses"))
             if route != "baseline":
                 row["fused_linear"] = r["fused_linear"]
@@ -702,7 +778,9 @@ def render(cfg, analysis, results, header):
             f"{cfg['check_steps']} steps on one fixed random batch, tolerance {analysis['loss_tol']:g} nats "
             "(the baseline's own loss drop over those steps in brackets). notes: host = median time the host "
             "takes to enqueue one timed step (no sync; host-bound when it reaches the median), wall = the timed "
-            "loop's wall time per step, synchronized at both ends.", ""]
+            "loop's wall time per step, synchronized at both ends; busiest other threads = the two threads "
+            "besides the main one with the most CPU time (utime+stime from /proc, Linux) per timed step, "
+            "as kernel name/Python name.", ""]
     body = []
     for r in rows:
         if r["status"] != "ok":
@@ -724,11 +802,22 @@ def render(cfg, analysis, results, header):
                      + (f"; host {r['host_median_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms/step"
                         if r.get("host_median_ms") is not None and r.get("wall_ms") is not None else "")
                      + (f", thread CPU {r['thread_cpu_ms']:.2f} ms/step" if r.get("thread_cpu_ms") is not None else "")
+                     + _busy_threads_note(r.get("threads_cpu_ms_per_step"))
                      + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
                         if r.get("check_losses") else "")])
     out.append(_table(["route", "mb", "tokens/step", "status", "median ms", "tokens/s", "speedup",
                        f"peak {u}", "linear fused", "loss check", "notes"], body))
     return "\n".join(out)
+
+
+def _busy_threads_note(threads, k=2):
+    """The ``k`` busiest threads other than the main one, for the notes cell ('' when not measured)."""
+    other = [t for t in threads or () if t.get("py_name") != threading.main_thread().name][:k]
+    if not other:
+        return ""
+    return "; busiest other threads " + ", ".join(
+        f"{t['comm']}" + (f"/{t['py_name']}" if t.get("py_name") and t["py_name"] != t["comm"] else "")
+        + f" {t['cpu_ms_per_step']:.2f}" for t in other).replace("|", "/") + " ms/step"
 
 
 def parse_args(argv):

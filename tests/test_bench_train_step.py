@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -101,6 +102,30 @@ def test_failed_runs_are_rows_not_crashes():
     assert an["verdicts"]["step"]["speedup_ge_1_2x_at_smallest_mb"] is None      # not measured, not a pass
 
 
+def test_thread_cpu_diff_per_step_and_busiest_threads_note():
+    before = {1: (1.00, "python"), 2: (0.50, "pt_autograd_0"), 3: (0.20, "gone")}
+    after = {1: (1.10, "python"), 2: (0.90, "pt_autograd_0"), 4: (0.05, "Thread-1 (loop)")}
+    rows = bench.thread_cpu_diff(before, after, 10, {1: "MainThread", 4: "Thread-1"})
+    assert [(r["tid"], r["comm"], r["py_name"]) for r in rows] == [
+        (2, "pt_autograd_0", None), (1, "python", "MainThread"), (4, "Thread-1 (loop)", "Thread-1")]
+    # 400 ms over 10 steps; 100 ms; the new thread counts from 0; tid 3 ended inside the window: dropped
+    assert [r["cpu_ms_per_step"] for r in rows] == pytest.approx([40.0, 10.0, 5.0])
+    # the main thread stays in the record even when it is not among the busiest
+    assert [r["tid"] for r in bench.thread_cpu_diff(before, after, 10, {1: "MainThread"}, top=1)] == [2, 1]
+    assert bench._busy_threads_note(rows) == (
+        "; busiest other threads pt_autograd_0 40.00, Thread-1 (loop)/Thread-1 5.00 ms/step")
+    assert bench._busy_threads_note(None) == "" and bench._busy_threads_note(rows[1:2]) == ""
+
+
+def test_thread_cpu_snapshot_sees_this_thread():
+    snap = bench.thread_cpu_snapshot()
+    if not os.path.isdir("/proc/self/task"):
+        assert snap == {}
+        return
+    me = snap[threading.get_native_id()]
+    assert me[0] >= 0 and me[1]
+
+
 def test_cpu_smoke_run_of_main(tmp_path, capsys):
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2",
@@ -119,6 +144,12 @@ def test_cpu_smoke_run_of_main(tmp_path, capsys):
         # the embedding and the norms stay unfused: their gradient is alive in the step
         assert r["grad_bytes"] == r["param_bytes"] - r["linear_dw_bytes"]
     assert runs["baseline"]["grad_bytes"] == runs["baseline"]["param_bytes"]
+    if sys.platform.startswith("linux"):
+        for route, r in runs.items():
+            th = r["threads_cpu_ms_per_step"]
+            assert 1 <= len(th) <= 9 and any(t["py_name"] == "MainThread" for t in th), (route, th)
+            assert all(t["cpu_ms_per_step"] >= 0 and t["comm"] for t in th), (route, th)
+            assert all(isinstance(s["frames"], list) for s in r["thread_stacks"])
     rows = {r["route"]: r for r in summary["analysis"]["rows"]}
     assert rows["step"]["loss_ok"] and rows["backend"]["loss_ok"]
     assert summary["analysis"]["verdicts"]["step"]["correct"] is True
