@@ -315,10 +315,11 @@ def vec_configs():
 
 
 def vec_sweep(args, log, cfgs=None, cases=None):
-    """Per case: the default (pick_gconfig) checked bit-exact vs eager on its stored dW; each vec config (or each of
-    ``cfgs``: a dict, or a function of (M, arrays) giving one) checked the same way, and (timed without dW) its W/states bit-identical to the default's (same wgmma
-    order over the tokens, so the same dW); then every config timed (do_bench median, kernel alone), the unfused
-    step too. One line per case as it finishes. False when a check failed."""
+    """Per case (``cases``, default VEC_CASES): the default (pick_gconfig) checked bit-exact vs eager on its stored
+    dW; each vec config (or each of ``cfgs``: a dict, or a function of (M, arrays) giving one) checked the same way,
+    and (timed without dW) its W/states bit-identical to the default's (same wgmma order over the tokens, so the
+    same dW); then every config timed (do_bench median, kernel alone), the unfused step too. One line per case as
+    it finishes. False when a check failed."""
     from triton.testing import do_bench
 
     def run(cfg, rule, w, dy_t, x, st, hp):
@@ -417,6 +418,55 @@ def v12b_configs(m, n_arrays):
 def v12b_sweep(args, log):
     """vec_sweep's checks over V12B_CASES with v12b_configs. False when a check failed."""
     return vec_sweep(args, log, v12b_configs, V12B_CASES)
+
+
+# ---- v12 follow-up: where the split kernel's time goes (hand-offs vs contention) ----------------------------------
+
+SPLIT_OVERLAP_MS = (64, 256, 1024, 2048, 4096, 8192)
+
+
+def split_overlap_sweep(args, log):
+    """AdamW bf16 4096x4096 at SPLIT_OVERLAP_MS, one process: unfused, cuBLAS mm, split_config() (checked bit-exact
+    vs eager on its stored dW), the same kernel with stream=False (the MMA warpgroup's GEMMs and dW hand-offs, no
+    W/state traffic; checked to leave W/states untouched) and the tma kernel's GEMM schedule alone with the split
+    kernel's 5 stages (gemm_config(5): ping-pong consumers, no hand-off). Printed per M: handoff = stream_off -
+    gemm5 (what the one-dW-tile hand-off costs the MMA warpgroup), contention = split - max(stream_off, split at
+    M=64) (what running both costs beyond the longer part). False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows, epi64 = True, [], None
+    split, off, g5 = wg.split_config(), wg.split_config(stream=False), wg.gemm_config(5)
+    for m in SPLIT_OVERLAP_MS:
+        rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, 4096, 4096, m, seed=m)
+        ok = check_config(rule, w, dy_t, x, st, hp, None,
+                          launch=lambda *a, **kw: wg.launch(*a, **kw, config=split))[0]
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        wg.bound_launch(w1, dy_t, x, st1, hp, rule, config=off)()
+        ok &= torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st) if a.dim())
+        ok_g, _ = check_gemm_sums(w, dy_t, x, st, hp, rule, g5)
+        all_ok &= ok and ok_g
+        fn, _ = make_unfused("adamw", rule, w, dy_t, x, st, hp)
+        t = {"unfused": bench(fn), "mm": bench(lambda: wgrad_mm(dy_t, x)),
+             "split": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=split)),
+             "stream_off": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=off))}
+        sums = torch.empty(wg.gemm_sums_shape(4096, 4096, g5), device="cuda")
+        t["gemm5"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, sums, config=g5))
+        epi64 = t["split"] if m == SPLIT_OVERLAP_MS[0] else epi64
+        t["handoff"] = t["stream_off"] - t["gemm5"]
+        t["contention"] = t["split"] - max(t["stream_off"], epi64)
+        rows.append((m, t))
+        log(f"adamw 4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items())
+            + ("" if ok and ok_g else " | CHECK FAILED"))
+        del w, dy_t, x, st
+        torch.cuda.empty_cache()
+    keys = list(rows[0][1])
+    log("\n" + f"{'M':>6} " + " ".join(f"{k:>10}" for k in keys))
+    for m, t in rows:
+        log(f"{m:>6} " + " ".join(f"{t[k]:>10.4f}" for k in keys))
+    return all_ok
 
 
 # ---- overlap diagnostic: the kernel's GEMM schedule alone (GConfig.epi="gemm") vs the fused kernel, one process ----
@@ -550,7 +600,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
-                                                                 "smem", "overlap", "v12", "v12b"])
+                                                                 "smem", "overlap", "v12", "v12b", "splitovl"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -571,9 +621,9 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b"):
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl"):
         ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
-              "v12": v12_sweep, "v12b": v12b_sweep}[args.cases](args, log)
+              "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

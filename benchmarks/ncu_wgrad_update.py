@@ -6,7 +6,8 @@
 
 Launches each case's kernel ONCE (ncu replays it with caches flushed, state restored): AdamW, bf16 activations,
 4096x4096 fp32 W/m/v (--n/--k). Case "M:what", what = default (pick_gconfig), gemm (GEMM schedule alone, the
-default's stages/bmt), smem[_b32s6][_first|_cs] (smem_config(), 6 x 32-token stages, L2 hints), tma (tma ring, the M > 1024 pick), mm (cuBLAS bf16->fp32 wgrad),
+default's stages/bmt), smem[_b32s6][_first|_cs] (smem_config(), 6 x 32-token stages, L2 hints), split / split_off
+(v12, and its stream=False diagnostic), tma (the tma ring's M=2048 pick), mm (cuBLAS bf16->fp32 wgrad),
 adamw (torch._fused_adamw_ on an fp32 grad). The launch order is the case order; ncu's report lists kernels in
 that order. No timing and no checks here: bench_wgrad_update.py --cases overlap does both.
 """
@@ -38,6 +39,8 @@ def config_of(what: str, m: int):
         return wg.smem_config(evict=ev[0] if ev else "", **kw)
     if what == "split":
         return wg.split_config()
+    if what == "split_off":     # the MMA warpgroup's GEMMs and hand-offs, no W/state traffic
+        return wg.split_config(stream=False)
     if what == "tma":
         return wg.pick_gconfig(2048, 3)
     raise ValueError(what)

@@ -7,6 +7,7 @@ to the Triton kernel, never fail.
 from __future__ import annotations
 
 import ast
+import dataclasses
 
 import pytest
 import torch
@@ -552,6 +553,27 @@ def test_check_gconfig_refuses_split_combinations():
                 dict(maxnreg=136), dict(cregs=176), dict(evict="last")):
         with pytest.raises(ValueError):
             wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
+
+
+def test_split_stream_off_is_a_split_only_diagnostic():
+    # never picked; refused on the other kernels, which have no such switch
+    wg._check_gconfig(wg.split_config(stream=False))
+    for m in (64, 2048, 8192):
+        for n_arrays in (2, 3, 4):
+            assert wg.pick_gconfig(m, n_arrays).stream
+    for cfg in (wg.smem_config(), wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(dataclasses.replace(cfg, stream=False))
+
+
+@sm90
+def test_split_stream_off_leaves_w_and_states_untouched(force_gluon):
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
+    w0, st0 = w.clone(), [s.clone() for s in st]
+    wg.bound_launch(w, dy_t, x, st, hp, rule, config=wg.split_config(stream=False))()
+    torch.cuda.synchronize()
+    assert torch.equal(w, w0) and all(torch.equal(a, b) for a, b in zip(st, st0))
 
 
 @pytest.mark.parametrize("rule", CATALOGUE + [RULES["adamw_fma"], RULES["clampy"]], ids=lambda r: r.name)

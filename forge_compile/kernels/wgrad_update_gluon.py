@@ -28,15 +28,23 @@ consumers' epilogues overlap. [32, 32] because the rolled loop keeps the accumul
 chunks spilled. The module is rendered from the same pieces (_HEAD: _rule, _tile_coords, _gemm_loader, _tile_mma;
 _SPLITS) as the tma kernel's.
 
-v11, selectable and NOT picked (GConfig(epi="smem"), ``smem_config()``; prepared on CPU, not yet measured; v10
-measured slower than the TMA ring at M <= 256, latency-bound with one [32, 32] chunk of loads in flight): each
+v11, picked for 3-array rules (AdamW) at M <= 512 (GConfig(epi="smem"), ``smem_config()``; v10 measured slower
+than the TMA ring at M <= 256, latency-bound with one [32, 32] chunk of loads in flight): each
 consumer stores its accumulator into its own [128, 128] fp32 smem tile (2 x 64 KB; 2-3 GEMM stages), which frees
 the accumulator's registers for the whole epilogue; the epilogue walks [R, 128] row chunks (R 8 or 16) in a
 16-byte-vector blocked layout, W/states loaded ``ahead`` (1-2) chunks before their math, the lookahead carried into
 the consumer's next tile; same _rule, masks, int64 offsets and K % 8 hint as v10.
 
-Overlap diagnostic, selectable and NOT picked (GConfig(epi="gemm"), ``gemm_config()``; prepared on CPU, not yet
-measured): the tma kernel's GEMM schedule (same loader, _tile_mma, mma turn, tile order, stages) with no epilogue
+v12, picked for 3-array rules above M=512 and 2-array rules above M=1024 (GConfig(epi="split"), ``split_config()``):
+the roles split. One MMA warpgroup runs every tile's GEMM back to back and parks dW in one [128, 128] fp32 smem
+tile; two epilogue warpgroups stream W/states for half the tile's rows each with v11's chunk code; a "full" /
+"empty" mbarrier pair hands the tile over. In the ping-pong kernels only one consumer streams while the other runs
+its GEMM (Nsight Compute: DRAM 35-57 % idle), here both epilogue warpgroups stream all the time. 160 KB of GEMM
+stages beside the dW tile; 16 warps (triton pads the loader's warp to a warpgroup) launched at maxnreg 128 and
+rebalanced by setmaxnreg (epilogue 152, MMA 184). ``stream=False`` is an overlap diagnostic (never picked).
+
+Overlap diagnostic, selectable and NOT picked (GConfig(epi="gemm"), ``gemm_config()``; measured, NOTES_kernel.md):
+the tma kernel's GEMM schedule (same loader, _tile_mma, mma turn, tile order, stages) with no epilogue
 traffic at all -- each tile's 128 row sums of dW are stored to a small fp32 array (``gemm_sums_shape``) so every
 wgmma stays live -- to tell how much of the fused kernel's time its GEMM schedule alone takes (NOTES_kernel.md).
 
@@ -87,9 +95,10 @@ class GluonUnsupported(Exception):
 
 # The kernel modules are rendered from pieces: _HEAD (imports, the rule, tile order, GEMM loader, a tile's GEMM) and
 # _SPLITS (register-only chunk splits of the accumulator) are shared; _TMA_LOADERS + _TMA_KERNEL are the TMA-ring
-# epilogue (GConfig.epi="tma", the default), _VEC_KERNEL the vector-load epilogue (epi="vec", v10), _SMEM_KERNEL
-# (after _HEAD alone) dW through smem (epi="smem", v11), _GEMM_KERNEL (after _HEAD alone) the GEMM schedule with no
-# epilogue traffic (epi="gemm", the overlap diagnostic). _TEMPLATE is the
+# epilogue (GConfig.epi="tma"), _VEC_KERNEL the vector-load epilogue (epi="vec", v10); after _HEAD and _SMEM_EPI
+# (row-chunk streaming of W/states with dW read from smem) _SMEM_KERNEL is dW through smem (epi="smem", v11) and
+# _SPLIT_KERNEL one MMA + two epilogue warpgroups (epi="split", v12); _GEMM_KERNEL (after _HEAD alone) the GEMM
+# schedule with no epilogue traffic (epi="gemm", the overlap diagnostic). _TEMPLATE is the
 # tma kernel's module in its historical order; the only change to its text in v10 is _tile_mma factored out of
 # _consumer, and its sm_90 SASS is instruction-for-instruction the same as before (every catalogue rule, NOTES v10).
 _HEAD = '''\
@@ -893,7 +902,7 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
 def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr):
+               ST_CM: gl.constexpr, STREAM: gl.constexpr):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
@@ -909,10 +918,13 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     r = 0
     for t in range(pid, num_tiles, nprog):
         mbarrier.wait(dw_bar.index(0), r & 1)
-        for c in range(CNT):
-            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog, num_tiles,
-                               num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV, ST_EV,
-                               ST_CM, H * CNT, CNT)
+        # STREAM=False (overlap diagnostic): the tile is handed back untouched, so the MMA warpgroup's time with
+        # its hand-offs but without the W/state traffic shows
+        if STREAM:
+            for c in range(CNT):
+                ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
+                                   num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
+                                   ST_EV, ST_CM, H * CNT, CNT)
         # all four warps' reads of the tile are done before the (single-thread) arrive frees it
         gl.thread_barrier()
         mbarrier.arrive(dw_bar.index(1))
@@ -923,9 +935,9 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
 def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-                ST_CM: gl.constexpr):
+                ST_CM: gl.constexpr, STREAM: gl.constexpr):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)
 
 
 @gluon.jit
@@ -933,7 +945,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
-                              ST_EV: gl.constexpr, ST_CM: gl.constexpr,
+                              ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -955,9 +967,9 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     gl.warp_specialize([
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -1055,8 +1067,8 @@ def _to_gluon(code: str) -> str:
 
 def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
-    epilogue (the default kernel), "vec" the vector-load one (v10), "smem" dW through smem (v11), "gemm" the
-    overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW instead of the update; the rule's
+    epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
+    warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW instead of the update; the rule's
     text is in the module but never called)."""
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
@@ -1119,7 +1131,7 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" / "gemm" module
+_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" / "split" / "gemm" module
 _KERNELS: dict[str | tuple[str, str], object] = {}   # rule (epi "tma") or (rule, epi) -> kernel
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
@@ -1201,6 +1213,8 @@ class GConfig:
     evict: str = ""        # epi="smem": L2 hints of the W/state stream, which is touched once while the GEMM
     #                        re-reads its dY/X panels from L2 ("": none; "first": loads and stores evict_first;
     #                        "cs": loads evict_first, stores .cs) -- v12, NOTES_kernel.md
+    stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
+    #                        without touching W/states (never picked; NOTES_kernel.md v12)
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -1372,7 +1386,7 @@ SPLIT_STAGES = 5
 
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
-                 eregs: int = 152) -> GConfig:
+                 eregs: int = 152, stream: bool = True) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1380,7 +1394,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
-                  maxnreg=128, evict=evict)
+                  maxnreg=128, evict=evict, stream=stream)
     _check_gconfig(cfg)
     return cfg
 
@@ -1413,6 +1427,8 @@ def _boxes(cfg: GConfig) -> int:
 
 def _check_gconfig(cfg: GConfig):
     # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
+    if not cfg.stream and cfg.epi != "split":
+        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) exists for epi='split' only")
     if cfg.epi == "gemm":
         # the overlap diagnostic: [128, 128] tiles (the row sums assume the 4-warp wgmma layout of the tma kernel),
         # one GEMM ring of 32- or 64-token stages that fits the rings' smem with 2-byte activations (the only kind
@@ -1631,6 +1647,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
                     LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
                     maxnreg=cfg.maxnreg, enable_fp_fusion=False)
+        if cfg.epi == "split":
+            opts["STREAM"] = cfg.stream
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec")
