@@ -14,6 +14,8 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   baseline  torch.compile(model, dynamic=False) + torch.optim.AdamW(fused=True)
   step      forge.compile_train_step(forward, loss.backward(), opt.step(), opt.zero_grad(set_to_none=True))
   backend   torch.compile(model, backend="forge", dynamic=False, options={"optimizer": opt}) + opt.step()
+  eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
+            bf16 executions of the same steps drift apart on this model
 The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
 UnsupportedOptimizerError for it.
 
@@ -56,7 +58,9 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "step", "backend")
+ROUTES = ("baseline", "eager", "step", "backend")       # known routes, in table order
+DEFAULT_ROUTES = ("baseline", "step", "backend")
+FORGE_ROUTES = ("step", "backend")
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -123,13 +127,13 @@ def make_optimizer(model, lr, fused):
 def build_optimizer(model, route, lr, forge_fused="auto"):
     """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
     unless forge raises UnsupportedOptimizerError for it). Returns (optimizer, fused flag, note)."""
-    if route != "baseline" and forge_fused == "off":
+    if route in FORGE_ROUTES and forge_fused == "off":
         return make_optimizer(model, lr, fused=False), False, ""
     try:
         opt = make_optimizer(model, lr, fused=True)
     except (RuntimeError, TypeError, ValueError) as e:   # no fused kernel for this device/dtype
         return make_optimizer(model, lr, fused=False), False, f"AdamW(fused=True) refused by torch: {e}"
-    if route == "baseline":
+    if route not in FORGE_ROUTES:
         return opt, True, ""
     from forge_compile.optim.translate import UnsupportedOptimizerError, plan_optimizer
     try:
@@ -160,6 +164,9 @@ def make_step(route, wl, opt, autocast):
         cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt})
     elif route == "baseline":
         cm = torch.compile(wl, dynamic=False)
+    elif route == "eager":
+        # no compiler: how far two correct bf16 executions of the same step drift apart (the loss check's scale)
+        cm = wl
     else:
         raise ValueError(route)
     probe = {"on": False, "grad_bytes": None}
@@ -324,7 +331,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                unfused_linear=[n for n in lin if n not in fused_params],
                fused_other=sorted(fused_params - set(lin)),
                unmatched_rows=[r["name"] for r in rows if r["name"] not in m])
-    if route != "baseline":
+    if route in FORGE_ROUTES:
         print(f"[{route} mb={mb}] forge fused {res['fused_linear']} of {len(lin)} linear weights", flush=True)
     del xc, yc
 
@@ -609,7 +616,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        thread_cpu_ms=r.get("thread_cpu_ms"),
                        threads_cpu_ms_per_step=r.get("threads_cpu_ms_per_step"),
                        check_losses=r.get("check_losses"))
-            if route != "baseline":
+            if route in FORGE_ROUTES:
                 row["fused_linear"] = r["fused_linear"]
                 row["all_linear_fused"] = r["fused_linear"] == r["linear_weights"]
             comp = [("params", r["param_bytes"]), ("states", r["state_bytes"]), ("grads", r.get("grad_bytes"))]
@@ -671,7 +678,7 @@ def verdicts(rows, budget):
     ok_rows = [r for r in rows if r["status"] == "ok"]
     mbs = sorted({r["mb"] for r in ok_rows})
     out = {}
-    for route in ROUTES[1:]:
+    for route in FORGE_ROUTES:
         mine = [r for r in ok_rows if r["route"] == route]
         if not mine:
             continue
@@ -731,7 +738,7 @@ def render(cfg, analysis, results, header):
             d = r["decomposition"]
             body.append([r["route"], r["mb"], _g(r.get("peak_bytes")), _g(d["params"]), _g(d["states"]),
                          _g(d.get("grads")), _g(d.get("activations_other")),
-                         "-" if r.get("peak_saved_frac_of_linear_dw") is None or r["route"] == "baseline"
+                         "-" if r.get("peak_saved_frac_of_linear_dw") is None or r["route"] not in FORGE_ROUTES
                          else f"{100 * r['peak_saved_frac_of_linear_dw']:.1f} %"])
         out.append(_table(["route", "mb", "peak", "params", "states", "grads", "activations+other",
                            "peak drop vs baseline, % of linear dW"], body))
@@ -787,7 +794,7 @@ def render(cfg, analysis, results, header):
             body.append([r["route"], r["mb"], r["tokens_per_step"], r["status"], "-", "-", "-", "-", "-", "-",
                          (r.get("error") or "")[:80].replace("|", "/").replace("\n", " ")])
             continue
-        fusedcol = "-" if r["route"] == "baseline" else f"{r['fused_linear']}/{r['linear_weights']}" + \
+        fusedcol = "-" if r["route"] not in FORGE_ROUTES else f"{r['fused_linear']}/{r['linear_weights']}" + \
             ("" if r["all_linear_fused"] else " FAIL")
         loss = "-" if r["route"] == "baseline" or r.get("loss_max_abs_diff") is None else \
             f"{r['loss_max_abs_diff']:.1e} {'ok' if r['loss_ok'] else 'FAIL'} ({r['baseline_loss_drop']:.2f})"
@@ -829,7 +836,9 @@ def parse_args(argv):
     size.add_argument("--quick", action="store_true", help="2 layers, micro-batches 2 and 8, no verification runs")
     size.add_argument("--tiny", action="store_true", help="CI smoke size (use with --device cpu)")
     size.add_argument("--wide", action="store_true", help="d_model 4096, 4 layers, micro-batches 1 and 2")
-    p.add_argument("--routes", default=",".join(ROUTES))
+    p.add_argument("--routes", default=",".join(DEFAULT_ROUTES),
+                   help=f"comma-separated, of {', '.join(ROUTES)} (eager: the baseline without torch.compile, "
+                        "a reference for how far correct bf16 runs drift apart in the loss check)")
     p.add_argument("--mbs", help="micro-batches (sequences per step), comma-separated")
     for k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len", "check_steps", "warmup", "iters"):
         p.add_argument("--" + k.replace("_", "-"), type=int)
@@ -922,7 +931,7 @@ def main(argv=None):
         b = an.get("budget")
         for route in routes:
             v = (b or {}).get("routes", {}).get(route)
-            if route == "baseline" or not v or not v.get("largest_mb") or v["largest_mb"] in mbs:
+            if route not in FORGE_ROUTES or not v or not v.get("largest_mb") or v["largest_mb"] in mbs:
                 continue
             # Only when a run of this route can finish in the time left (its main runs' longest wall time).
             need = max((r.get("wall_s", 0) for r in results if r.get("route") == route), default=0) * 1.2 + 10

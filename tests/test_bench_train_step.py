@@ -78,6 +78,20 @@ def test_analyse_compares_with_the_baseline():
     assert v["backend"]["correct"] is False and v["backend"]["not_slower_at_largest_mb"] is False
 
 
+def test_eager_route_is_a_reference_not_a_forge_route():
+    # the eager route's row carries its loss drift against the baseline (the loss check's scale) but no fusion
+    # column, no verdicts and no peak-drop claim
+    res = _synthetic() + [_run("eager", 2, 11, 130, losses=(10.8, 9.903, 9.004), fused=0)]
+    an = bench.analyse(CFG, res)
+    eager = {(r["route"], r["mb"]): r for r in an["rows"]}[("eager", 2)]
+    assert eager["loss_max_abs_diff"] == pytest.approx(0.004) and "fused_linear" not in eager
+    assert "eager" not in an["verdicts"] and set(an["verdicts"]) == {"step", "backend"}
+    text = bench.render(CFG, an, res, "header")
+    line = [ln for ln in text.splitlines() if ln.startswith("| eager ") and "ms/step" not in ln and "ok" in ln]
+    assert line and "FAIL" not in line[0]
+    assert bench.parse_args(["--routes", "baseline,eager"]).routes == "baseline,eager"
+
+
 def test_budget_verification_and_explicit_budget():
     res = _synthetic() + [_run("step", 3, 10.6, 120, role="verify")]   # measured above the fitted 10.0
     an = bench.analyse(CFG, res)
