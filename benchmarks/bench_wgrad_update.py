@@ -429,7 +429,8 @@ def split_overlap_sweep(args, log):
     """AdamW bf16 4096x4096 at SPLIT_OVERLAP_MS, one process: unfused, cuBLAS mm, split_config() (checked bit-exact
     vs eager on its stored dW), the same kernel with stream=False (the MMA warpgroup's GEMMs and dW hand-offs, no
     W/state traffic; checked to leave W/states untouched) and the tma kernel's GEMM schedule alone with the split
-    kernel's 5 stages (gemm_config(5): ping-pong consumers, no hand-off). Printed per M: handoff = stream_off -
+    kernel's 5 stages (gemm_config(5): ping-pong consumers, no hand-off), and split with two dW tiles and 3 stages
+    (split_d2s3, checked bit-exact: its MMA warpgroup never waits for the tile before). Printed per M: handoff = stream_off -
     gemm5 (what the one-dW-tile hand-off costs the MMA warpgroup), contention = split - max(stream_off, split at
     M=64) (what running both costs beyond the longer part). False when a check failed."""
     from triton.testing import do_bench
@@ -439,10 +440,12 @@ def split_overlap_sweep(args, log):
 
     all_ok, rows, epi64 = True, [], None
     split, off, g5 = wg.split_config(), wg.split_config(stream=False), wg.gemm_config(5)
+    split2 = wg.split_config(dw_tiles=2, stages=3)
     for m in SPLIT_OVERLAP_MS:
         rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, 4096, 4096, m, seed=m)
-        ok = check_config(rule, w, dy_t, x, st, hp, None,
-                          launch=lambda *a, **kw: wg.launch(*a, **kw, config=split))[0]
+        ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                              launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                 for c in (split, split2))
         w1, st1 = w.clone(), [s.clone() for s in st]
         wg.bound_launch(w1, dy_t, x, st1, hp, rule, config=off)()
         ok &= torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st) if a.dim())
@@ -454,6 +457,7 @@ def split_overlap_sweep(args, log):
              "stream_off": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=off))}
         sums = torch.empty(wg.gemm_sums_shape(4096, 4096, g5), device="cuda")
         t["gemm5"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, sums, config=g5))
+        t["split_d2s3"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=split2))
         epi64 = t["split"] if m == SPLIT_OVERLAP_MS[0] else epi64
         t["handoff"] = t["stream_off"] - t["gemm5"]
         t["contention"] = t["split"] - max(t["stream_off"], epi64)

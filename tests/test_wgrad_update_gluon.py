@@ -528,15 +528,19 @@ SPLIT_LAYOUTS = {"split_r8a4s5": wg.split_config(), "split_r16a2s5": wg.split_co
                  "split_r8a4b32s10": wg.split_config(stages=10, bmt=32),
                  # one chunk ahead and a 2-deep ring: the hand-offs with the least slack
                  "split_r8a1s2": wg.split_config(ahead=1, stages=2),
-                 "split_r8a3e136": wg.split_config(ahead=3, eregs=136), "split_r8a4_cs": wg.split_config(evict="cs")}
+                 "split_r8a3e136": wg.split_config(ahead=3, eregs=136), "split_r8a4_cs": wg.split_config(evict="cs"),
+                 # two dW tiles handed over in turn (prepared, not measured)
+                 "split_r8a4d2s3": wg.split_config(dw_tiles=2, stages=3),
+                 "split_r8a4d2b32s6": wg.split_config(dw_tiles=2, stages=6, bmt=32)}
 
 
 def test_split_layouts_fit():
     for name, cfg in SPLIT_LAYOUTS.items():
         wg._check_gconfig(cfg)
         assert cfg.epi == "split" and cfg.epi_n == 128 and cfg.maxnreg == 128, name
-        # GEMM ring + ONE fp32 dW tile
-        assert wg.gconfig_smem(cfg, 4, 2, True) == cfg.stages * cfg.bmt * 256 * 2 + 64 * 1024 <= 224 * 1024, name
+        # GEMM ring + one or two fp32 dW tiles
+        assert wg.gconfig_smem(cfg, 4, 2, True) == cfg.stages * cfg.bmt * 256 * 2 + cfg.dw_tiles * 64 * 1024 \
+            <= 224 * 1024, name
     assert wg.split_config().stages == wg.SPLIT_STAGES == 5
 
 
@@ -548,9 +552,11 @@ def test_check_gconfig_refuses_split_combinations():
     wg._check_gconfig(wg.GConfig(**ok))
     wg._check_gconfig(wg.GConfig(**{**ok, "ahead": 8}))
     wg._check_gconfig(wg.GConfig(**{**ok, "bmt": 32, "stages": 10}))
+    wg._check_gconfig(wg.GConfig(**{**ok, "dw_tiles": 2, "stages": 3}))
     for bad in (dict(epi_m=32), dict(epi_n=64), dict(ahead=0), dict(ahead=9), dict(epi_m=16, ahead=5),
                 dict(stages=1), dict(stages=6), dict(bmt=32, stages=11), dict(nring=2), dict(eout=1), dict(bn=64),
-                dict(maxnreg=136), dict(cregs=176), dict(evict="last")):
+                dict(maxnreg=136), dict(cregs=176), dict(evict="last"), dict(dw_tiles=3), dict(dw_tiles=2),
+                dict(dw_tiles=2, stages=4), dict(dw_tiles=0)):
         with pytest.raises(ValueError):
             wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
 
@@ -562,8 +568,9 @@ def test_split_stream_off_is_a_split_only_diagnostic():
         for n_arrays in (2, 3, 4):
             assert wg.pick_gconfig(m, n_arrays).stream
     for cfg in (wg.smem_config(), wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
-        with pytest.raises(ValueError):
-            wg._check_gconfig(dataclasses.replace(cfg, stream=False))
+        for bad in (dict(stream=False), dict(dw_tiles=2)):
+            with pytest.raises(ValueError):
+                wg._check_gconfig(dataclasses.replace(cfg, **bad))
 
 
 @sm90

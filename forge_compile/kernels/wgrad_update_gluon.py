@@ -738,18 +738,18 @@ def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.co
 
 
 @gluon.jit
-def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, num_tiles, num_n, num_k, N, K,
+def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, dbase, num_tiles, num_n, num_k, N, K,
                BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr,
                L: gl.constexpr, BIG: gl.constexpr, STORE_GRAD: gl.constexpr, LD_EV: gl.constexpr,
                ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
-    # chunk C0 + c of tile t; the calling warpgroup walks chunks C0 .. C0 + CNT - 1 of every tile it takes, tstep
-    # tiles apart. ahead[0] holds this chunk's W/states (loaded AHEAD chunks earlier), ahead[1:] the following
+    # chunk C0 + c of tile t, read from chunk dbase + C0 + c of dw; the calling warpgroup walks chunks C0 .. C0 +
+    # CNT - 1 of every tile it takes, tstep tiles apart. ahead[0] holds this chunk's W/states (loaded AHEAD chunks earlier), ahead[1:] the following
     # chunks'. First the loads of the chunk AHEAD on (in this tile or in the warpgroup's next one), then dW from
     # smem, the rule and the stores. Returns the lookahead shifted by one chunk.
     nxt = _smem_load(t + ((c + AHEAD) // CNT) * tstep, C0 + (c + AHEAD) % CNT, w_ptr, {state_ptrs}num_tiles,
                      num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG, LD_EV)
     {carry} = ahead[0]
-    g = dw.index(C0 + c).load(L)
+    g = dw.index(dbase + C0 + c).load(L)
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _smem_chunk(t, C0 + c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
     gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
@@ -806,7 +806,7 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
         # a rolled loop for every rule: the chunk is addressed at run time (smem index, offsets), no selects
         # needed (v10's _pick); unrolled, Lion with dW spilled 48 B at [16, 128] x 2 and its SASS was 2.5x larger
         for c in range(NCH):
-            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}2 * nprog,
+            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}2 * nprog, 0,
                                num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
                                ST_EV, ST_CM, 0, NCH)
         j += 2
@@ -877,24 +877,28 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 _SPLIT_KERNEL = '''\
 @gluon.jit
 def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, NDW: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BK, 16])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
+    # the NDW dW tiles as [NDW, BN, BK] (same bytes: the swizzle depends only on the row mod 4, BN % 4 == 0)
+    dw_tiles = dw._reinterpret(gl.float32, [NDW, BN, BK], dw.type.layout)
     r = 0
     for t in range(pid, num_tiles, nprog):
         acc = _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, 0, r * ksteps, ksteps, 0, STAGES, acc_layout,
                         False)
-        # the epilogue warpgroups have read the previous tile's dW (phase trick: passes at once for r = 0)
-        mbarrier.wait(dw_bar.index(1), (r & 1) ^ 1)
-        dw.store(acc)
+        # the epilogue warpgroups have read the tile NDW tiles back (phase trick: passes at once the first time)
+        b = r % NDW
+        mbarrier.wait(dw_bar.index(NDW + b), ((r // NDW) & 1) ^ 1)
+        dw_tiles.index(b).store(acc)
         # every thread's part of the tile is in smem before the (single-thread) arrive releases it
         gl.thread_barrier()
-        mbarrier.arrive(dw_bar.index(0))
+        mbarrier.arrive(dw_bar.index(b))
         r += 1
 
 
@@ -902,12 +906,12 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
 def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr, STREAM: gl.constexpr):
+               ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
     L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
+    dw_chunks = dw._reinterpret(gl.float32, [NDW * BN // R, R, BK], dw.type.layout)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     # the first tile's first AHEAD chunks: loaded while its GEMM runs
@@ -917,17 +921,18 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
                              L, BIG, LD_EV), )
     r = 0
     for t in range(pid, num_tiles, nprog):
-        mbarrier.wait(dw_bar.index(0), r & 1)
+        b = r % NDW
+        mbarrier.wait(dw_bar.index(b), (r // NDW) & 1)
         # STREAM=False (overlap diagnostic): the tile is handed back untouched, so the MMA warpgroup's time with
         # its hand-offs but without the W/state traffic shows
         if STREAM:
             for c in range(CNT):
                 ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
-                                   num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
+                                   b * (BN // R), num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
                                    ST_EV, ST_CM, H * CNT, CNT)
         # all four warps' reads of the tile are done before the (single-thread) arrive frees it
         gl.thread_barrier()
-        mbarrier.arrive(dw_bar.index(1))
+        mbarrier.arrive(dw_bar.index(NDW + b))
         r += 1
 
 
@@ -935,9 +940,9 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
 def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-                ST_CM: gl.constexpr, STREAM: gl.constexpr):
+                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)
 
 
 @gluon.jit
@@ -945,7 +950,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
-                              ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr,
+                              ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -959,17 +964,20 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
     # the dW tile: the smem kernel's swizzle (conflict-free accumulator store and row-chunk loads)
     dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
-    dw = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
-    dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(dw_bar.index(0), count=1)
-    mbarrier.init(dw_bar.index(1), count=2)
+    dw = gl.allocate_shared_memory(gl.float32, [NDW * BN, BK], dw_layout)
+    # per dW tile b: dw_bar[b] "full" (the MMA warpgroup), dw_bar[NDW + b] "empty" (both epilogue warpgroups)
+    dw_bar = gl.allocate_shared_memory(gl.int64, [2 * NDW, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NDW):
+        mbarrier.init(dw_bar.index(b), count=1)
+        mbarrier.init(dw_bar.index(NDW + b), count=2)
 
     gl.warp_specialize([
-        (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES)),
+        (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
+                      NDW)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -1213,6 +1221,8 @@ class GConfig:
     evict: str = ""        # epi="smem": L2 hints of the W/state stream, which is touched once while the GEMM
     #                        re-reads its dY/X panels from L2 ("": none; "first": loads and stores evict_first;
     #                        "cs": loads evict_first, stores .cs) -- v12, NOTES_kernel.md
+    dw_tiles: int = 1      # epi="split": dW tiles the MMA warpgroup hands over in turn (2: it never waits for the
+    #                        epilogue of the tile before, at the cost of GEMM stages; prepared, not measured)
     stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
     #                        without touching W/states (never picked; NOTES_kernel.md v12)
 
@@ -1253,7 +1263,7 @@ def gconfig_smem(cfg: GConfig, n_arrays: int, act_bytes: int = 2, store_grad: bo
     if cfg.epi == "smem":
         return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + 2 * cfg.bn * cfg.bk * 4
     if cfg.epi == "split":
-        return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + cfg.bn * cfg.bk * 4
+        return cfg.stages * cfg.bmt * (cfg.bn + cfg.bk) * act_bytes + cfg.dw_tiles * cfg.bn * cfg.bk * 4
     ch = chunk_bytes(cfg)
     if cfg.eout == 0:
         epi = cfg.es * n_arrays * ch
@@ -1381,12 +1391,12 @@ def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: 
     return cfg
 
 
-# v12 (epi="split", prepared on CPU): one dW tile (64 KB) leaves 160 KB for 5 GEMM stages of 64 tokens
+# v12 (epi="split"): one dW tile (64 KB) leaves 160 KB for 5 GEMM stages of 64 tokens (two tiles: 3 stages)
 SPLIT_STAGES = 5
 
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
-                 eregs: int = 152, stream: bool = True) -> GConfig:
+                 eregs: int = 152, stream: bool = True, dw_tiles: int = 1) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1394,7 +1404,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
-                  maxnreg=128, evict=evict, stream=stream)
+                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles)
     _check_gconfig(cfg)
     return cfg
 
@@ -1427,8 +1437,9 @@ def _boxes(cfg: GConfig) -> int:
 
 def _check_gconfig(cfg: GConfig):
     # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
-    if not cfg.stream and cfg.epi != "split":
-        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) exists for epi='split' only")
+    if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
+        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
+                         "epi='split' only")
     if cfg.epi == "gemm":
         # the overlap diagnostic: [128, 128] tiles (the row sums assume the 4-warp wgmma layout of the tma kernel),
         # one GEMM ring of 32- or 64-token stages that fits the rings' smem with 2-byte activations (the only kind
@@ -1461,10 +1472,11 @@ def _check_gconfig(cfg: GConfig):
         return
     if cfg.epi == "split":
         # _split_epi: [R, 128] chunks, R 8 or 16, each epilogue warpgroup walks BN / 2 / R of them per tile (the
-        # lookahead at most that many); one dW tile beside the GEMM ring within the smem budget
+        # lookahead at most that many); one or two dW tiles beside the GEMM ring within the smem budget
         if not (cfg.bn == cfg.bk == 128 and cfg.bmt in (32, 64) and cfg.epi_m in (8, 16) and cfg.epi_n == 128
                 and 1 <= cfg.ahead <= cfg.bn // 2 // cfg.epi_m and cfg.nring == 1 and cfg.eout == 0
-                and cfg.stages >= 2 and cfg.evict in _EVICT and gconfig_smem(cfg, 0, 2) <= _RING_SMEM
+                and cfg.stages >= 2 and cfg.evict in _EVICT and cfg.dw_tiles in (1, 2)
+                and gconfig_smem(cfg, 0, 2) <= _RING_SMEM
                 and cfg.maxnreg * 16 * 32 <= 65536 and 2 * 128 * cfg.cregs + 128 * 24 <= 65536 - 128 * 168):
             raise ValueError(f"unsupported Gluon config {cfg} (epi='split': [8|16, 128] chunks, lookahead <= the "
                              f"chunks per half tile, >= 2 GEMM stages of 32 or 64 tokens within "
@@ -1648,7 +1660,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
                     maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts["STREAM"] = cfg.stream
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec")
