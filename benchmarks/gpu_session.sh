@@ -20,9 +20,13 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 if [ "${TESTS:-x}" != "0" ]; then
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-12} \
+  # the whole suite did not finish in 330 s on 12 processes (stop 15): 420 s by default for it; --durations names
+  # the tests that take the time
+  [ -z "${TESTS:-}" ] && [ "$DEFAULT_TESTS" = tests ] && : ${TEST_TIMEOUT:=420}
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
     ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
-  stamp "pytest rc=$?"; tail -3 $OUT/pytest.log; grep -E "^FAILED|^ERROR" $OUT/pytest.log | head -20
+  stamp "pytest rc=$?"; grep -E "^[0-9.]+s (call|setup)" $OUT/pytest.log | head -8; tail -3 $OUT/pytest.log
+  grep -E "^FAILED|^ERROR" $OUT/pytest.log | head -20
 fi
 if [ "${LAUNCH:-0}" = "1" ]; then
   timeout 120 python3 benchmarks/bench_launch_overhead.py --out $OUT > $OUT/launch.log 2>&1
