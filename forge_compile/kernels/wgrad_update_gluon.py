@@ -872,8 +872,10 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 # one warpgroup does every tile's GEMM back to back (no mma turn) and parks dW in one [128, 128] fp32 smem tile;
 # two epilogue warpgroups take half of its rows each and stream W/states with the smem kernel's chunk code
 # (_smem_step: 16-byte vectors, AHEAD chunks of lookahead carried across tiles), so both stream all the time,
-# beside the MMAs. Hand-off: dw_bar[0] "full" (the MMA warpgroup arrives after its store), dw_bar[1] "empty"
-# (count 2: each epilogue warpgroup after its last read of the tile). One dW tile leaves 160 KB for the GEMM ring.
+# beside the MMAs. Hand-off per dW tile b (NDW = GConfig.dw_tiles, 1 picked): dw_bar[b] "full" (the MMA warpgroup
+# arrives after its store), dw_bar[NDW + b] "empty" (count 2: each epilogue warpgroup after its last read of the
+# tile). One dW tile leaves 160 KB for the GEMM ring (5 stages), two leave 96 KB (3). STREAM=False is the overlap
+# diagnostic (tiles handed back untouched).
 _SPLIT_KERNEL = '''\
 @gluon.jit
 def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
