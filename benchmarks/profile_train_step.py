@@ -6,7 +6,10 @@ Builds the model and routes of bench_train_step.py (same code), runs warm-up ste
 torch.profiler. Per route it writes DIR/profile_<route>.txt: wall ms per step (perf_counter around N steps,
 synchronized), GPU busy ms per step (sum of device kernel time; kernels overlap little in one stream), the
 host time per step spent outside the compiled graphs, and the top operators by self CPU time and by device
-time. Host-bound: wall >> GPU busy.
+time. Host-bound: wall >> GPU busy. On CUDA also the timeline of the profiled steps (``timeline_stats``): the
+union of kernel intervals (GPU busy without double counting), the GPU's idle gaps, the launch API calls (a launch
+that blocks for tens of us means the launch queue is full: the GPU, not the host, sets the pace) and the
+synchronizing API calls (the host waits for the GPU inside the step).
 """
 from __future__ import annotations
 
@@ -20,6 +23,44 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train_step as B  # noqa: E402
+
+
+# runtime API calls that launch work / make the host wait for the device
+_LAUNCH_API = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+_SYNC_API = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+             "cudaStreamWaitEvent")
+_BLOCKED_US = 20.0    # a launch call this long waited (a free one takes a few us)
+
+
+def timeline_stats(events, n_steps):
+    """Per step, from torch.profiler events (name, device_type, time_range in us): GPU busy ms (union of device
+    kernel intervals), the number and ms of idle gaps between them longer than 5 us, launch calls (count, ms, how
+    many took >= _BLOCKED_US, their ms) and synchronizing calls (count, ms; cudaMemcpy counts only when not Async)."""
+    from torch.autograd import DeviceType
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy, gaps, gap_us, cur = 0.0, 0, 0.0, None
+    for a, b in kernels:
+        if cur is None:
+            cur = [a, b]
+        elif a <= cur[1]:
+            cur[1] = max(cur[1], b)
+        else:
+            busy += cur[1] - cur[0]
+            if a - cur[1] > 5.0:
+                gaps += 1
+                gap_us += a - cur[1]
+            cur = [a, b]
+    if cur is not None:
+        busy += cur[1] - cur[0]
+    launch = [e.time_range.end - e.time_range.start for e in events
+              if e.device_type == DeviceType.CPU and e.name in _LAUNCH_API]
+    sync = [e.time_range.end - e.time_range.start for e in events
+            if e.device_type == DeviceType.CPU and e.name in _SYNC_API]
+    blocked = [d for d in launch if d >= _BLOCKED_US]
+    n = max(1, n_steps)
+    return dict(gpu_busy_ms=busy / 1e3 / n, gpu_gaps=gaps / n, gpu_gap_ms=gap_us / 1e3 / n,
+                launches=len(launch) / n, launch_ms=sum(launch) / 1e3 / n, blocked_launches=len(blocked) / n,
+                blocked_launch_ms=sum(blocked) / 1e3 / n, syncs=len(sync) / n, sync_ms=sum(sync) / 1e3 / n)
 
 
 def profile_route(route, args, out):
@@ -57,8 +98,12 @@ def profile_route(route, args, out):
     lines = [f"route {route} mb {args.mb} seq {args.seq_len} d_model {args.d_model} layers {args.layers} "
              f"adamw_fused {fused} {note}",
              f"wall ms/step (no profiler): {wall_ms:.3f}",
-             f"device busy ms/step (profiler, sum of self device time): {dev_us / 1e3 / len(batches):.3f}",
-             "", "== top by self CPU time ==",
+             f"device busy ms/step (profiler, sum of self device time): {dev_us / 1e3 / len(batches):.3f}"]
+    if bf16:
+        # the last synchronize is outside the steps' work but inside the profile: it counts as one sync
+        t = timeline_stats(prof.events(), len(batches))
+        lines.append("timeline per step (profiler): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
+    lines += ["", "== top by self CPU time ==",
              ka.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70)]
     if bf16:
         lines += ["", "== top by device time ==",
@@ -66,7 +111,7 @@ def profile_route(route, args, out):
     text = "\n".join(lines)
     with open(os.path.join(out, f"profile_{route}.txt"), "w") as f:
         f.write(text)
-    print("\n".join(lines[:3]), flush=True)
+    print("\n".join(lines[:4 if bf16 else 3]), flush=True)
 
 
 def main():
