@@ -738,14 +738,15 @@ def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.co
 
 
 @gluon.jit
-def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, dbase, num_tiles, num_n, num_k, N, K,
-               BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr,
+def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, dbase, num_tiles, num_n, num_k,
+               N, K, BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr,
                L: gl.constexpr, BIG: gl.constexpr, STORE_GRAD: gl.constexpr, LD_EV: gl.constexpr,
                ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
-    # chunk C0 + c of tile t, read from chunk dbase + C0 + c of dw; the calling warpgroup walks chunks C0 .. C0 +
-    # CNT - 1 of every tile it takes, tstep tiles apart. ahead[0] holds this chunk's W/states (loaded AHEAD chunks earlier), ahead[1:] the following
-    # chunks'. First the loads of the chunk AHEAD on (in this tile or in the warpgroup's next one), then dW from
-    # smem, the rule and the stores. Returns the lookahead shifted by one chunk.
+    # chunk C0 + c of tile t, its dW read from chunk dbase + C0 + c of dw; the calling warpgroup walks chunks
+    # C0 .. C0 + CNT - 1 of every tile it takes, tstep tiles apart. ahead[0] holds this chunk's W/states (loaded
+    # AHEAD chunks earlier), ahead[1:] the following chunks'. First the loads of the chunk AHEAD on (in this tile
+    # or in the warpgroup's next one), then dW from smem, the rule and the stores. Returns the lookahead shifted by
+    # one chunk.
     nxt = _smem_load(t + ((c + AHEAD) // CNT) * tstep, C0 + (c + AHEAD) % CNT, w_ptr, {state_ptrs}num_tiles,
                      num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG, LD_EV)
     {carry} = ahead[0]
@@ -930,8 +931,8 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
         if STREAM:
             for c in range(CNT):
                 ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
-                                   b * (BN // R), num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
-                                   ST_EV, ST_CM, H * CNT, CNT)
+                                   b * (BN // R), num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG,
+                                   STORE_GRAD, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
         # all four warps' reads of the tile are done before the (single-thread) arrive frees it
         gl.thread_barrier()
         mbarrier.arrive(dw_bar.index(NDW + b))
@@ -1078,8 +1079,8 @@ def _to_gluon(code: str) -> str:
 def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
-    warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW instead of the update; the rule's
-    text is in the module but never called)."""
+    warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
+    instead of the update; the rule's text is in the module but never called)."""
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
@@ -1161,8 +1162,8 @@ def _source_for(rule: Rule):
 
 
 def _epi_source(rule: Rule, epi: str) -> str:
-    # the epi="vec" (v10) / "smem" (v11) / "gemm" (diagnostic) module: rendered on demand, never by gluon_reason (the rule renders for
-    # "tma" first)
+    # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module: rendered on demand, never by
+    # gluon_reason (the rule renders for "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
         raise GluonUnsupported(why)
