@@ -71,6 +71,13 @@ def _mlp_batch():
     return torch.randn(8, 16), torch.randn(8, 8)
 
 
+def _mse_step(model, opt, **compile_kw):
+    """compile_train_step (``compile_kw``: dump_dir, ...) of the plain MSE step on ``model`` and ``opt``."""
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    return forge.compile_train_step(step, **compile_kw)
+
+
 @pytest.mark.parametrize("name", list(_optimizers()))
 def test_mlp_matches_torch_optim(name):
     model, opt, ref, ref_opt, step = _train_both(MLP, _optimizers()[name], _mlp_batch, F.mse_loss)
@@ -240,9 +247,7 @@ def test_changed_shapes_recapture_and_changed_optimizer_structure_guards():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     step(*_mlp_batch())
     step(*_mlp_batch())
@@ -287,9 +292,7 @@ def test_dump_dir_writes_graphs_and_report(tmp_path):
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @forge.compile_train_step(dump_dir=str(tmp_path))
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt, dump_dir=str(tmp_path))
 
     step(*_mlp_batch())
     files = sorted(p.name for p in tmp_path.iterdir())
@@ -364,9 +367,7 @@ def test_state_reads_are_cached_but_follow_reload_scheduler_and_new_group(count_
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     def both(x, y):
         _step_both(step, ref, ref_opt, x, y)
@@ -427,9 +428,7 @@ def test_eval_mode_after_training_recompiles_and_matches_eager():
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     for _ in range(3):
         step(*_mlp_batch())
@@ -461,9 +460,7 @@ def test_rule_optimizer_reading_beyond_its_group_is_read_every_step():
     model = MLP(); ref = copy.deepcopy(model)
     opt, ref_opt = Scaled(model.parameters(), rule, lr=1e-2), Scaled(ref.parameters(), rule, lr=1e-2)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     for i in range(6):
         opt.scale = ref_opt.scale = 1.0 if i < 3 else 0.1
@@ -475,9 +472,7 @@ def test_swapped_parameter_data_is_still_checked_against_its_state():
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     for _ in range(3):
         step(*_mlp_batch())
@@ -511,9 +506,7 @@ def test_parameter_back_in_its_group_sees_the_lr_changed_meanwhile():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 
-    @forge.compile_train_step
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = _mse_step(model, opt)
 
     def both():
         _step_both(step, ref, ref_opt, *_mlp_batch())
