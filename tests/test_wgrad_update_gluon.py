@@ -416,6 +416,13 @@ def test_check_gconfig_refuses_vec_combinations():
     assert wg.vec_config().stages == wg.VEC_STAGES and wg.vec_config().epi == "vec"
 
 
+def _assert_same_pieces(a, b, helpers):
+    """Modules ``a`` and ``b`` spell each of ``helpers`` (jit functions) word for word alike."""
+    for helper in helpers:
+        src = f"def {helper}("
+        assert a.split(src, 1)[1].split("@gluon.jit", 1)[0] == b.split(src, 1)[1].split("@gluon.jit", 1)[0], helper
+
+
 @pytest.mark.parametrize("rule", CATALOGUE + [RULES["adamw_fma"], RULES["clampy"]], ids=lambda r: r.name)
 def test_render_vec_every_rule(rule):
     ep = compile_epilogue(rule, "cuda")
@@ -423,11 +430,7 @@ def test_render_vec_every_rule(rule):
     ast.parse(vec)
     assert tma == wg.render_gluon_source(ep, "tma")
     # shared pieces: the same rule, tile order and GEMM loader in both modules; no epilogue ring in the vec one
-    rule_src = tma.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
-    assert rule_src == vec.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
-    for helper in ("_tile_coords", "_gemm_loader", "_tile_mma", "_split_chunks", "_pick"):
-        src = f"def {helper}("
-        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == vec.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    _assert_same_pieces(tma, vec, ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma", "_split_chunks", "_pick"))
     assert "_epi_loader" not in vec and "e_ready" not in vec
     assert "async_copy_shared_to_global" not in vec and "store_wait" not in vec and "epi_turn" not in vec
     n_states = len(ep.tensor_inputs) - 2
@@ -510,11 +513,7 @@ def test_render_smem_every_rule(rule):
     tma, smem = wg.render_gluon_source(ep), wg.render_gluon_source(ep, "smem")
     ast.parse(smem)
     # shared pieces: the same rule, tile order, GEMM loader and tile GEMM as the tma module
-    rule_src = tma.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
-    assert rule_src == smem.split("def _rule", 1)[1].split("@gluon.jit", 1)[0]
-    for helper in ("_tile_coords", "_gemm_loader", "_tile_mma"):
-        src = f"def {helper}("
-        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == smem.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    _assert_same_pieces(tma, smem, ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma"))
     assert "_epi_loader" not in smem and "e_ready" not in smem and "epi_turn" not in smem
     assert "async_copy_shared_to_global" not in smem and "convert_layout" not in smem
     n_states = len(ep.tensor_inputs) - 2
@@ -589,9 +588,8 @@ def test_render_split_every_rule(rule):
     smem, split = wg.render_gluon_source(ep, "smem"), wg.render_gluon_source(ep, "split")
     ast.parse(split)
     # the smem kernel's chunk code and the tma module's GEMM pieces, word for word
-    for helper in ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma", "_smem_chunk", "_smem_load", "_smem_step"):
-        src = f"def {helper}("
-        assert smem.split(src, 1)[1].split("@gluon.jit", 1)[0] == split.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    _assert_same_pieces(smem, split, ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma", "_smem_chunk", "_smem_load",
+                                      "_smem_ahead0", "_smem_step"))
     # one MMA warpgroup (no turn), two epilogue warpgroups, the loader
     kernel = split.split("def wgrad_update_gluon_kernel", 1)[1]
     assert "[4, 4, 1]" in kernel and kernel.count("_split_epi") == 2 and "_split_mma" in kernel
@@ -696,9 +694,7 @@ def test_render_gemm_every_rule(rule):
     ast.parse(gemm)
     assert tma == wg.render_gluon_source(ep, "tma")
     # the same tile order, GEMM loader and tile GEMM as the tma module (the same GEMM schedule)
-    for helper in ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma"):
-        src = f"def {helper}("
-        assert tma.split(src, 1)[1].split("@gluon.jit", 1)[0] == gemm.split(src, 1)[1].split("@gluon.jit", 1)[0]
+    _assert_same_pieces(tma, gemm, ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma"))
     # no epilogue: no ring, loader, turn, W/state traffic; the rule is never called; one store (the row sums)
     kernel = gemm.split("def _gemm_consumer(", 1)[1]
     assert "_rule(" not in kernel and "_epi_loader" not in gemm and "e_ready" not in gemm

@@ -713,6 +713,17 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 # loads of AHEAD chunks (1 or 2) in flight ahead of the math, carried into the consumer's next tile (so the first
 # chunks of a tile arrive during its GEMM). Partitions as for "vec": the two consumers + the GEMM loader.
 _SMEM_EPI = '''\
+# 16-byte vectors, a warp per 512 B row (R / 4 rows per thread): the probe's fastest streaming layout
+ROWS_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
+# The fp32 dW tiles. Swizzle: 32 B units (8 fp32) XOR-permuted by row mod 4 within each 128 B. The accumulator's store
+# (st.shared.v2: a half-warp writes 4 rows x 32 B of one column block) then hits 4 different 32 B bank groups, and
+# the chunk loads (ld.shared.v4, a warp reads one whole 512 B row) stay contiguous per 16 B: both conflict-free
+# (gl.bank_conflicts: 0 and 0; unswizzled rows 512 B apart put the 8 rows of a store on the same banks, 3 excess
+# wavefronts; a 16 B-unit swizzle by row mod 8 still 1). As the swizzle depends only on the row mod 4, a tile can be
+# viewed as [BN / R, R, BK] row chunks (R % 4 == 0) or tiles stacked as [n, BN, BK]: the same bytes.
+DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
+
+
 @gluon.jit
 def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr, R: gl.constexpr,
                 GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr):
@@ -735,6 +746,18 @@ def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.co
     # W and the tensor states of chunk c of tile t (16-byte vectors), as one tuple
     offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
     return (gl.load(w_ptr + offs, mask=msk, eviction_policy=LD_EV), {smem_state_loads})
+
+
+@gluon.jit
+def _smem_ahead0(t0, C0: gl.constexpr, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.constexpr,
+                 BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, GROUP: gl.constexpr, BIG: gl.constexpr,
+                 LD_EV: gl.constexpr):
+    # the lookahead's start: chunks C0 .. C0 + AHEAD - 1 of tile t0, loaded before its GEMM ends
+    ahead = ()
+    for d in gl.static_range(AHEAD):
+        ahead += (_smem_load(t0, C0 + d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP,
+                             ROWS_L, BIG, LD_EV), )
+    return ahead
 
 
 @gluon.jit
@@ -775,24 +798,19 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
     NCH: gl.constexpr = BN // R
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BK, 16])
-    # 16-byte vectors, a warp per 512 B row (R / 4 rows per thread): the probe's fastest streaming layout
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    L: gl.constexpr = ROWS_L
     # dw, this consumer's [BN, BK] dW tile (the accumulator's store), viewed as [NCH, R, BK] row chunks for the
-    # loop's runtime chunk index: the same bytes, as the swizzle depends only on the row mod 4 and R % 4 == 0
-    # (a [NCH, R, BK] allocation reshaped to [BN, BK] aborted triton 3.6's compiler; _reinterpret is Gluon's
-    # private spelling of a memdesc view with another shape)
+    # loop's runtime chunk index (DW_LAYOUT; a [NCH, R, BK] allocation reshaped to [BN, BK] aborted triton 3.6's
+    # compiler; _reinterpret is Gluon's private spelling of a memdesc view with another shape)
     dw_chunks = dw._reinterpret(gl.float32, [NCH, R, BK], dw.type.layout)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
     j = CID   # index of the tile in the CTA's list (this consumer: every other one)
     r = 0     # this consumer's round
-    # the first tile's chunks 0 .. AHEAD - 1: loaded before its GEMM
     t0 = pid + CID * nprog
-    ahead = ()
-    for d in gl.static_range(AHEAD):
-        ahead += (_smem_load(t0, d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG,
-                             LD_EV), )
+    ahead = _smem_ahead0(t0, 0, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, BIG,
+                         LD_EV)
     for t in range(t0, num_tiles, 2 * nprog):
         # the GEMM ring is shared: mma turn as in the tma kernel's _consumer
         turn_ph = (r & 1) ^ (1 - CID)
@@ -843,14 +861,9 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     num_tiles = num_n * num_k
 
     a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
-    # the consumers' dW tiles (2 x 64 KB). Swizzle: 32 B units (8 fp32) XOR-permuted by row mod 4 within each
-    # 128 B. The accumulator's store (st.shared.v2: a half-warp writes 4 rows x 32 B of one column block) then hits
-    # 4 different 32 B bank groups, and the chunk loads (ld.shared.v4, a warp reads one whole 512 B row) stay
-    # contiguous per 16 B: both conflict-free (gl.bank_conflicts: 0 and 0; unswizzled rows 512 B apart put the 8
-    # rows of a store on the same banks, 3 excess wavefronts; a 16 B-unit swizzle by row mod 8 still 1)
-    dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
-    dw0 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
-    dw1 = gl.allocate_shared_memory(gl.float32, [BN, BK], dw_layout)
+    # the consumers' dW tiles (2 x 64 KB)
+    dw0 = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_LAYOUT)
+    dw1 = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_LAYOUT)
 
     gl.warp_specialize([
         (_smem_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw0,
@@ -889,7 +902,7 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
-    # the NDW dW tiles as [NDW, BN, BK] (same bytes: the swizzle depends only on the row mod 4, BN % 4 == 0)
+    # the NDW dW tiles as [NDW, BN, BK] (DW_LAYOUT: the same bytes)
     dw_tiles = dw._reinterpret(gl.float32, [NDW, BN, BK], dw.type.layout)
     r = 0
     for t in range(pid, num_tiles, nprog):
@@ -913,15 +926,12 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    L: gl.constexpr = ROWS_L
     dw_chunks = dw._reinterpret(gl.float32, [NDW * BN // R, R, BK], dw.type.layout)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    # the first tile's first AHEAD chunks: loaded while its GEMM runs
-    ahead = ()
-    for d in gl.static_range(AHEAD):
-        ahead += (_smem_load(pid, H * CNT + d, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP,
-                             L, BIG, LD_EV), )
+    ahead = _smem_ahead0(pid, H * CNT, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, BIG,
+                         LD_EV)
     r = 0
     for t in range(pid, num_tiles, nprog):
         b = r % NDW
@@ -965,9 +975,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     num_tiles = num_n * num_k
 
     a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
-    # the dW tile: the smem kernel's swizzle (conflict-free accumulator store and row-chunk loads)
-    dw_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
-    dw = gl.allocate_shared_memory(gl.float32, [NDW * BN, BK], dw_layout)
+    dw = gl.allocate_shared_memory(gl.float32, [NDW * BN, BK], DW_LAYOUT)
     # per dW tile b: dw_bar[b] "full" (the MMA warpgroup), dw_bar[NDW + b] "empty" (both epilogue warpgroups)
     dw_bar = gl.allocate_shared_memory(gl.int64, [2 * NDW, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(NDW):
