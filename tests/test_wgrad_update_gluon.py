@@ -570,6 +570,10 @@ def test_split_stream_off_is_a_split_only_diagnostic():
         for bad in (dict(stream=False), dict(dw_tiles=2)):
             with pytest.raises(ValueError):
                 wg._check_gconfig(dataclasses.replace(cfg, **bad))
+    # the L2 hints exist on the vector-load streams (smem, split) only
+    for cfg in (wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(dataclasses.replace(cfg, evict="first"))
 
 
 @sm90

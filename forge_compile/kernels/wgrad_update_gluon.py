@@ -204,6 +204,18 @@ def _gemm_ring(dy_desc, x_desc, STAGES: gl.constexpr):
     return a_bufs, b_bufs, ready, empty, mma_turn
 
 
+@gluon.jit
+def _offs_mask(rows, cols, t, num_tiles, N, K, BIG: gl.constexpr):
+    # element offsets of rows x cols of a row-major [N, K] array (int64 when BIG: N * K may pass 2^31) and their
+    # mask: inside the array, and tile t a real one (the loads ahead past a consumer's last tile are masked off)
+    msk = ((rows < N) & (t < num_tiles))[:, None] & (cols < K)[None, :]
+    if BIG:
+        offs = rows.to(gl.int64)[:, None] * K + cols[None, :]
+    else:
+        offs = rows[:, None] * K + cols[None, :]
+    return offs, msk
+
+
 '''
 
 _TMA_LOADERS = '''\
@@ -597,12 +609,7 @@ def _vec_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.con
     q = c // 2
     rows = pid_n * BN + (q // NCC) * 64 + (c % 2) * 8 + (ri // 8) * 16 + ri % 8
     cols = pid_k * BK + (q % NCC) * EPI_N + ci
-    msk = ((rows < N) & (t < num_tiles))[:, None] & (cols < K)[None, :]
-    if BIG:
-        offs = rows.to(gl.int64)[:, None] * K + cols[None, :]
-    else:
-        offs = rows[:, None] * K + cols[None, :]
-    return offs, msk
+    return _offs_mask(rows, cols, t, num_tiles, N, K, BIG)
 
 
 @gluon.jit
@@ -732,12 +739,7 @@ def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.co
     pid_n, pid_k = _tile_coords(gl.minimum(t, num_tiles - 1), num_n, num_k, GROUP)
     rows = pid_n * BN + c * R + gl.arange(0, R, layout=gl.SliceLayout(1, L))
     cols = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, L))
-    msk = ((rows < N) & (t < num_tiles))[:, None] & (cols < K)[None, :]
-    if BIG:
-        offs = rows.to(gl.int64)[:, None] * K + cols[None, :]
-    else:
-        offs = rows[:, None] * K + cols[None, :]
-    return offs, msk
+    return _offs_mask(rows, cols, t, num_tiles, N, K, BIG)
 
 
 @gluon.jit
@@ -1451,6 +1453,9 @@ def _check_gconfig(cfg: GConfig):
     if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
         raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
                          "epi='split' only")
+    if cfg.evict and cfg.epi not in ("smem", "split"):
+        raise ValueError(f"Gluon config {cfg}: L2 hints (evict) exist for the vector-load streams of epi='smem' / "
+                         "'split' only")
     if cfg.epi == "gemm":
         # the overlap diagnostic: [128, 128] tiles (the row sums assume the 4-warp wgmma layout of the tma kernel),
         # one GEMM ring of 32- or 64-token stages that fits the rings' smem with 2-byte activations (the only kind
