@@ -10,6 +10,8 @@ only while the host part is the slower one. Rows, each adding one layer above th
   launch  - ``launch_wgrad_update``: checks, memoized host scalars, config, launch, scalar-state update; the
             same tensors every call, so after two calls launch_memo's fast path (``launch_full``: with it off)
   op      - ``torch.ops.forge.wgrad_update_`` (what Inductor's compiled backward calls): dispatcher + impl
+  op_cycle - the op over --layers layers of their own tensors in turn, as a backward launches them (cold caches);
+            op_cycle_no_direct: the same with launch_memo.DIRECT off (memo hits through ``CompiledKernel[grid]``)
 and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
 Results: stdout and DIR/launch_overhead.json.
 """
@@ -52,6 +54,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--layers", type=int, default=57, help="layers of the op_cycle rows (the full preset has 57)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -82,6 +85,24 @@ def main():
         "wgrad_update": per_call_us(lambda: wgrad_update(w, dy_t, x, states, hp, rule.name), a.calls, reset),
         "op": per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset),
     }
+    # a model's backward: many layers, each its own tensors and memo entry, launched in turn (the microbenchmark
+    # above repeats one launch with hot caches); with and without the direct C-launcher entry on memo hits
+    layers = [make_inputs("adamw", torch.bfloat16, n, k, m)[1:] for _ in range(a.layers)]
+    turn = [0]
+
+    def cycle():
+        lw, ldy, lx, lst, lhp = layers[turn[0]]
+        turn[0] = (turn[0] + 1) % len(layers)
+        op(lw, ldy, lx, lst, lhp, rule.name)
+
+    def reset_all():
+        layers[turn[0]][3][0].fill_(10.0)
+
+    rows["op_cycle"] = per_call_us(cycle, a.calls, reset_all)
+    launch_memo.DIRECT[0] = False
+    launch_memo.clear()
+    rows["op_cycle_no_direct"] = per_call_us(cycle, a.calls, reset_all)
+    launch_memo.DIRECT[0] = True
     unfused, _ = make_unfused("adamw", rule, w, dy_t, x, states, hp)
     rows["unfused"] = per_call_us(unfused, a.calls, lambda: None)
     import triton

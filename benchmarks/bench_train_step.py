@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import datetime
 import importlib.util
 import json
@@ -85,6 +86,20 @@ PRESETS = {
 # differed by <= 1.3e-3 over 4 steps, so 2e-2 leaves a 15x margin, while the fixed-batch loss falls by
 # ~0.8 nats per step (a skipped or wrong update shows at once). fp32: summation order only.
 LOSS_ATOL = {"bf16": 2e-2, "fp32": 1e-3}
+
+
+def _judged_steps(baseline_losses) -> int:
+    """How many check steps the loss check judges: those up to the baseline's first loss increase (at least two:
+    the loss before any update and after the first). After that step, training on the one fixed batch diverges
+    and amplifies rounding differences beyond any fixed tolerance: on the full preset (8 layers, lr 1e-3, bf16) the
+    baseline's loss goes 10.80 -> 9.83 -> 12.55 and two baseline processes (same seed; cuDNN attention backward is
+    not deterministic) differed by 1.2e-3 after step 1 but by 2.0e-2 at step 3, eager vs the baseline by 1.7e-2
+    (H200, 2026-12-04). A skipped or wrong update still shows at once: the first update drops the loss ~1 nat."""
+    n = len(baseline_losses)
+    k = 1
+    while k < n and baseline_losses[k] <= baseline_losses[k - 1]:
+        k += 1
+    return min(max(k, 2), n)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -377,14 +392,19 @@ def run_worker(cfg: dict, res: dict) -> dict:
             t_all = time.perf_counter()
             cpu_thread, cpu_proc = time.thread_time(), time.process_time()
             threads0 = thread_cpu_snapshot()
-            for (s, e), (x, y) in zip(ev, batches):
-                t0 = time.perf_counter()
-                s.record()
-                loss = step(x, y)
-                e.record()
-                host.append((time.perf_counter() - t0) * 1e3)
-            # before the sync: the main thread has just enqueued the last step, helpers may still be at work
+            with _gc_watch() as gcw:
+                for (s, e), (x, y) in zip(ev, batches):
+                    t0 = time.perf_counter()
+                    s.record()
+                    loss = step(x, y)
+                    e.record()
+                    host.append((time.perf_counter() - t0) * 1e3)
+            # before the sync: the main thread has just enqueued the last step, helpers may still be at work.
+            # Formatting the stacks (source lines read from disk) is not a step's work: kept out of wall/CPU.
+            t_st, c_st = time.perf_counter(), time.thread_time()
             stacks = thread_stacks()
+            t_all += time.perf_counter() - t_st
+            cpu_thread += time.thread_time() - c_st
             sync(device)
             # Host-bound when the host's time per step (enqueue, no sync) reaches the device's: then the events
             # measure the host. wall_ms = the whole loop (sync'd) per step: a second view of the same rate.
@@ -395,7 +415,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                        wall_ms=(time.perf_counter() - t_all) * 1e3 / n,
                        thread_cpu_ms=(time.thread_time() - cpu_thread) * 1e3 / n,
                        process_cpu_ms=(time.process_time() - cpu_proc) * 1e3 / n,
-                       **_threads_record(threads0, n, stacks),
+                       **_threads_record(threads0, n, stacks), gc=gcw,
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]
@@ -426,6 +446,28 @@ def _threads_record(before, n, stacks):
     names = {t.native_id: t.name for t in threading.enumerate()}
     return dict(threads_cpu_ms_per_step=thread_cpu_diff(before, thread_cpu_snapshot(), n, names),
                 thread_stacks=stacks)
+
+
+@contextlib.contextmanager
+def _gc_watch():
+    """Python's cyclic garbage collections during the block: count and ms per generation (a full collection over
+    a process holding compiled graphs can take tens of ms: one in the timed steps shows as a host outlier)."""
+    rec = {"count": [0, 0, 0], "ms": [0.0, 0.0, 0.0]}
+    t = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            g = info.get("generation", 0)
+            rec["count"][g] += 1
+            rec["ms"][g] += (time.perf_counter() - t[0]) * 1e3
+
+    gc.callbacks.append(cb)
+    try:
+        yield rec
+    finally:
+        gc.callbacks.remove(cb)
 
 
 def _memo_counters():
@@ -613,7 +655,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        peak_bytes=r.get("peak_bytes"), first_step_s=r.get("first_step_s"),
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
                        host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
-                       thread_cpu_ms=r.get("thread_cpu_ms"),
+                       thread_cpu_ms=r.get("thread_cpu_ms"), host_ms=r.get("host_ms"), gc=r.get("gc"),
                        threads_cpu_ms_per_step=r.get("threads_cpu_ms_per_step"),
                        check_losses=r.get("check_losses"))
             if route in FORGE_ROUTES:
@@ -624,10 +666,12 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
             if r.get("peak_bytes") is not None and r.get("grad_bytes") is not None:
                 row["decomposition"]["activations_other"] = r["peak_bytes"] - sum(v for _, v in comp)
         if ok(r) and ok(base):
-            d = [abs(a - b) for a, b in zip(r["check_losses"], base["check_losses"])]
-            drop = base["check_losses"][0] - base["check_losses"][-1]
+            bl = base["check_losses"]
+            judged = _judged_steps(bl)
+            d = [abs(a - b) for a, b in zip(r["check_losses"][:judged], bl[:judged])]
+            drop = bl[0] - bl[judged - 1] if bl else 0.0
             row.update(loss_max_abs_diff=max(d) if d else None, loss_tol=tol, baseline_loss_drop=drop,
-                       loss_ok=bool(d) and max(d) <= tol)
+                       loss_judged_steps=judged, loss_ok=bool(d) and max(d) <= tol)
             if med((route, mb)) and med(("baseline", mb)):
                 row["speedup"] = med(("baseline", mb)) / med((route, mb))
             if r.get("peak_bytes") is not None and base.get("peak_bytes") is not None:
@@ -782,8 +826,9 @@ def render(cfg, analysis, results, header):
             f"Main table: median step time over {cfg['iters']} timed steps after {cfg['warmup']} warm-up "
             f"steps ({'CUDA events' if cfg['device'].startswith('cuda') else 'perf_counter'}; compile steps "
             f"excluded), fresh random token batches. loss check: max |loss - baseline loss| over the first "
-            f"{cfg['check_steps']} steps on one fixed random batch, tolerance {analysis['loss_tol']:g} nats "
-            "(the baseline's own loss drop over those steps in brackets). notes: host = median time the host "
+            f"{cfg['check_steps']} steps on one fixed random batch, up to the baseline's first loss increase (a "
+            f"diverging step amplifies rounding noise), tolerance {analysis['loss_tol']:g} nats "
+            "(the baseline's own loss drop over the judged steps in brackets; losses of all steps in notes). notes: host = median time the host "
             "takes to enqueue one timed step (no sync; host-bound when it reaches the median), wall = the timed "
             "loop's wall time per step, synchronized at both ends; busiest other threads = the two threads "
             "besides the main one with the most CPU time (utime+stime from /proc, Linux) per timed step, "
@@ -809,6 +854,9 @@ def render(cfg, analysis, results, header):
                      + (f"; host {r['host_median_ms']:.2f} ms, wall {r['wall_ms']:.2f} ms/step"
                         if r.get("host_median_ms") is not None and r.get("wall_ms") is not None else "")
                      + (f", thread CPU {r['thread_cpu_ms']:.2f} ms/step" if r.get("thread_cpu_ms") is not None else "")
+                     + (f", slowest host step {max(r['host_ms']):.1f} ms" if r.get("host_ms") else "")
+                     + (f", gc {sum(r['gc']['count'])}x {sum(r['gc']['ms']):.1f} ms (gen2 {r['gc']['count'][2]}x)"
+                        if r.get("gc") and sum(r["gc"]["count"]) else "")
                      + _busy_threads_note(r.get("threads_cpu_ms_per_step"))
                      + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
                         if r.get("check_losses") else "")])

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 
 import torch
 
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401  (public-ish, stable 2.11-2.13)
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
+
+log = logging.getLogger(__name__)
 
 OpOverload = torch._ops.OpOverload
 
@@ -152,6 +155,11 @@ def will_accumulate(acc_node) -> bool:
         return False
 
 
+def foreach_copy_(dst: list, src: list) -> None:
+    """``d.copy_(s)`` for each pair, as one multi-tensor kernel where the tensors share device and dtype."""
+    torch._foreach_copy_(dst, src)
+
+
 def deepcopy_graph_module(gm):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -169,3 +177,91 @@ def drop_stale_user_visible_outputs(gm) -> None:
         return
     args = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
     out.meta["user_visible_output_idxs"] = [i for i in idxs if i < len(args) and isinstance(args[i], torch.fx.Node)]
+
+
+# -- Triton internals (triton 3.6) --------------------------------------------------------------------------------
+
+def _triton_stream_fns():
+    active = __import__("triton").runtime.driver.active
+    return active.get_current_device, active.get_current_stream
+
+
+class TritonDirectLaunch:
+    """Enter the C launcher of a compiled Triton/Gluon kernel straight, for launch_memo's repeated launches.
+
+    ``CompiledKernel[grid](*args)`` goes through Python layers that redo, at every launch, work whose result a
+    memoized launch already knows: the launch-metadata dict for the (empty) launch hooks, scratch allocation
+    (none for our kernels) and, for every host tensor descriptor, ``cuTensorMapEncodeTiled`` (triton's
+    ``make_tensordesc_arg``; the 5-descriptor Gluon kernel's launch cost 72 us vs 24 for the Triton kernel on the
+    H200 host, benchmarks/RESULTS.md). Here ``expand`` encodes each descriptor once (the memo key pins its base
+    pointer, shape and strides) and turns tensors into integer pointers (the C launcher then skips its
+    ``data_ptr()`` call and ``cuPointerGetAttribute``); ``__call__`` passes the expanded arguments on.
+
+    Built by ``build``; None whenever the launcher is not laid out as in triton 3.6 (the caller keeps
+    ``CompiledKernel[grid]``). ``usable()`` is False while launch hooks are registered (proton): they need the
+    launch metadata this path does not build."""
+
+    __slots__ = ("raw", "rest", "grid", "td_index", "td_meta", "encode", "device_fn", "stream_fn", "knobs")
+
+    @classmethod
+    def build(cls, compiled, grid):
+        try:
+            import triton
+            from triton import knobs
+            from triton.backends.nvidia import driver as nv
+
+            if not triton.__version__.startswith("3.6."):   # the layout below is triton 3.6's (3.9 differs)
+                return None
+            launcher = compiled.run                       # CudaLauncher (loads the module on first use)
+            if not isinstance(launcher, nv.CudaLauncher):
+                return None
+            if launcher.global_scratch_size or launcher.profile_scratch_size:
+                return None
+            launch = launcher.launch
+            code = getattr(launch, "__code__", None)
+            if code is None:                              # no descriptor argument: the C function itself
+                raw, td_index, td_meta = launch, (), []
+            else:                                         # wrap_handle_tensordesc's closure over the C function
+                cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+                raw, td_index, td_meta = cells["launcher"], sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+                if getattr(raw, "__code__", None) is not None or len(td_meta) != len(td_index):
+                    return None
+            self = cls()
+            self.raw = raw
+            self.grid = tuple(grid) + (1,) * (3 - len(grid))
+            self.rest = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                         compiled.packed_metadata, None, None, None)
+            self.td_index = {i: j for j, i in enumerate(td_index)}
+            self.td_meta = list(td_meta)
+            self.encode = nv.make_tensordesc_arg
+            self.device_fn, self.stream_fn = _triton_stream_fns()
+            self.knobs = knobs.runtime
+            return self
+        except Exception as e:   # any other layout: the caller keeps the public launcher
+            log.debug("forge: no direct launch (%s: %s)", type(e).__name__, e)
+            return None
+
+    def usable(self) -> bool:
+        rt = self.knobs
+        for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+            if hook is not None and getattr(hook, "calls", True):
+                return False
+        return True
+
+    def expand(self, args, first: int) -> list:
+        """Kernel arguments ``args`` (positions ``first``, ``first + 1``, ... of the signature) as the C launcher
+        takes them: descriptors encoded, objects with ``data_ptr`` as integers."""
+        out = []
+        for i, a in enumerate(args, first):
+            j = self.td_index.get(i)
+            if j is not None:
+                out.extend(p.data_ptr() if hasattr(p, "data_ptr") else p for p in self.encode(a, self.td_meta[j]))
+            elif hasattr(a, "data_ptr"):
+                out.append(a.data_ptr())
+            else:
+                out.append(a)
+        return out
+
+    def __call__(self, head, scalars, tail) -> None:
+        g = self.grid
+        self.raw(g[0], g[1], g[2], self.stream_fn(self.device_fn()), *self.rest, *head, *scalars, *tail)

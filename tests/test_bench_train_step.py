@@ -78,6 +78,22 @@ def test_analyse_compares_with_the_baseline():
     assert v["backend"]["correct"] is False and v["backend"]["not_slower_at_largest_mb"] is False
 
 
+def test_loss_check_stops_at_the_baselines_first_loss_increase():
+    # the full preset's baseline diverges at step 3 (10.80 -> 9.83 -> 12.55); differences there are amplified
+    # rounding noise (two baseline processes differed by 2e-2), so steps 1-2 are judged and step 3 only shown --
+    # while a wrong first update (0.3 nats) still fails
+    base = _run("baseline", 2, 11, 100, losses=(10.7984, 9.8303, 12.5593))
+    res = [base, _run("step", 2, 9, 80, losses=(10.7984, 9.8266, 12.5872)),
+           _run("backend", 2, 9, 80, losses=(10.7984, 10.13, 12.5593))]
+    rows = {r["route"]: r for r in bench.analyse(CFG, res)["rows"]}
+    assert rows["step"]["loss_judged_steps"] == 2 and rows["step"]["loss_ok"]
+    assert rows["step"]["loss_max_abs_diff"] == pytest.approx(0.0037)
+    assert not rows["backend"]["loss_ok"]
+    # a baseline whose loss keeps falling is judged over every step
+    assert bench._judged_steps([10.8, 9.9, 9.0]) == 3 and bench._judged_steps([10.8, 11.0, 9.0]) == 2
+    assert bench._judged_steps([10.8]) == 1
+
+
 def test_eager_route_is_a_reference_not_a_forge_route():
     # the eager route's row carries its loss drift against the baseline (the loss check's scale) but no fusion
     # column, no verdicts and no peak-drop claim

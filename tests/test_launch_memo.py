@@ -173,6 +173,56 @@ def test_failing_launcher_disables_fast_path():
     assert states[sidx[0]].item() == step_before      # nothing advanced: the caller's full path runs the step
 
 
+def _triton_36():
+    try:
+        import triton
+        return triton.__version__.startswith("3.6.")
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _triton_36(), reason="the launcher layout of triton 3.6 (the GPU machine's)")
+def test_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    # triton 3.6's own CudaLauncher.__call__ + wrap_handle_tensordesc around a recording C launcher, against
+    # TritonDirectLaunch over the same object: the same arguments reach the C function (pointers as integers)
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver as nv
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from forge_compile import _compat
+
+    calls = []
+
+    class CLaunch:   # stands in for the compiled C module's launch (a builtin: no __code__)
+        def __call__(self, *a):
+            calls.append(a)
+
+    sig = {"a_desc": "tensordesc<fp32[16, 16]>", "x": "*fp32", "s0": "fp32", "b_desc": "tensordesc<bf16[64, 64]>",
+           "M": "i32", "BLOCK": "constexpr"}
+    launcher = object.__new__(nv.CudaLauncher)
+    launcher.launch = nv.wrap_handle_tensordesc(CLaunch(), sig, None)
+    launcher.num_ctas, launcher.global_scratch_size, launcher.profile_scratch_size = 1, 0, 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher.launch_cooperative_grid = launcher.launch_pdl = False
+    compiled = SimpleNamespace(run=launcher, function=777, packed_metadata=(4, 1, 0))
+    monkeypatch.setattr(_compat, "_triton_stream_fns", lambda: ((lambda: 0), (lambda device: 4242)))
+    direct = _compat.TritonDirectLaunch.build(compiled, (3,))
+    assert direct is not None and direct.usable()
+
+    lay = gl.NVMMASharedLayout(128, 32, 2)
+    w, x, b = torch.randn(16, 16), torch.randn(4), torch.randn(64, 64)
+    args = [lm._strip(a) for a in (TensorDescriptor(w, [16, 16], [16, 1], [16, 16], lay), x, 0.5,
+                                   TensorDescriptor(b, [64, 64], [64, 1], [64, 64], lay), 7, 64)]
+    launcher(3, 1, 1, 4242, 777, (4, 1, 0), None, None, None, *args)     # as CompiledKernel[grid] calls it
+    direct(direct.expand(args[:2], 0), [0.5], direct.expand(args[3:], 3))
+    via_triton, via_direct = calls
+    assert all(type(a) is not lm._Ptr for a in via_direct)
+    assert tuple(a.data_ptr() if isinstance(a, lm._Ptr) else a for a in via_triton) == via_direct
+    assert via_direct[13] == w.data_ptr() and via_direct[-2:] == (7, 64)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -211,3 +261,6 @@ def test_repeated_launches_exact(monkeypatch, mode, name):
         for s, e in zip(states, st_ref):
             assert torch.equal(s.cpu(), e.cpu()), f"step {step}: a state differs"
     assert lm.counters["built"] == 1 and lm.counters["hit"] == 3, (dict(lm.counters), repr(lm.LAST_ERROR[0]))
+    import triton
+    if triton.__version__.startswith("3.6."):   # the layout _compat.TritonDirectLaunch knows: the hits went direct
+        assert lm.counters["direct"] == 3, dict(lm.counters)

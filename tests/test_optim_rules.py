@@ -447,3 +447,22 @@ def test_step_hooks_are_reported_once(caplog):
         plan_optimizer(opt)
         plan_optimizer(opt)
     assert sum("step hooks" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_flush_step_mirrors_writes_every_mirror_back():
+    # fused/capturable groups keep ``step`` on the device; forge advances a CPU mirror and writes all of a
+    # backward's mirrors back in one batched copy per device and dtype (here CPU stands in for the device)
+    from forge_compile.optim import translate as T
+
+    devs = [torch.tensor(float(i)) for i in range(5)] + [torch.tensor(7.0, dtype=torch.float64)]
+    mirrors = [torch.tensor(float(i) + 1.0) for i in range(5)] + [torch.tensor(9.0)]
+    T.discard_step_mirrors()
+    for d, m in zip(devs, mirrors):
+        T._PENDING_FLUSH[id(d)] = (d, m)
+        T._STEP_MIRRORS[d] = [m, -1]
+    T.flush_step_mirrors()
+    assert not T._PENDING_FLUSH
+    assert [d.item() for d in devs] == [1.0, 2.0, 3.0, 4.0, 5.0, 9.0]
+    assert devs[-1].dtype == torch.float64 and devs[0].dtype == torch.float32
+    # the version after forge's own write: a later change by anyone else is told apart from it
+    assert all(T._STEP_MIRRORS[d][1] == d._version and d._version > 0 for d in devs)

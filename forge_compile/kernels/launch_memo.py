@@ -17,7 +17,9 @@ sighting, so launches whose buffers never repeat pay one dict lookup and no extr
 
 Triton API used (public or documented-by-use, not private names): ``JITFunction.warmup`` (compile without
 launching), ``JITFunction.arg_names``, ``CompiledKernel[grid](*args)`` (the launcher; it takes every parameter,
-constexprs included, as ``JITFunction.run`` passes them). Any failure building an entry leaves that key on the
+constexprs included, as ``JITFunction.run`` passes them). On triton 3.6 a hit goes one layer lower: straight into
+the launcher's C function with the tensor descriptors encoded once (``_compat.TritonDirectLaunch``, the only place
+that knows triton's launcher layout; any other layout keeps ``CompiledKernel[grid]``). Any failure building an entry leaves that key on the
 full path; a failure of a remembered launch disables the fast path for the process (logged) before anything ran.
 """
 from __future__ import annotations
@@ -32,12 +34,16 @@ from typing import Any, Callable
 
 import torch
 
+from .. import _compat
+
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED", "LAST_ERROR"]
+__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED", "DIRECT", "LAST_ERROR"]
 
 # On unless FORGE_LAUNCH_MEMO=0; also switched off by an unexpected launcher failure. Tests/benchmarks flip it.
 ENABLED = [os.environ.get("FORGE_LAUNCH_MEMO", "1").strip() not in ("0", "false", "off", "no")]
+# The C launcher entered straight on a hit (_compat.TritonDirectLaunch) unless FORGE_LAUNCH_DIRECT=0.
+DIRECT = [os.environ.get("FORGE_LAUNCH_DIRECT", "1").strip() not in ("0", "false", "off", "no")]
 LAST_ERROR: list = [None]   # the exception that switched the fast path off (tests, diagnostics)
 _CAPACITY = 512
 _LOCK = threading.Lock()
@@ -66,6 +72,9 @@ class _Entry:
     ep: Any                      # the rule's Epilogue (host_scalars needs it)
     scalar_idx: tuple[int, ...]  # positions of the scalar states in ``states``
     rule: Any                    # kept so that id(rule) in the key is never reused while the entry lives
+    direct: Any = None           # _compat.TritonDirectLaunch: the C launcher entered straight (None: ``run``)
+    dhead: tuple = ()            # ``head`` / ``tail`` as ``direct`` takes them (descriptors encoded once)
+    dtail: tuple = ()
 
 
 def _tkey(t: torch.Tensor | None):
@@ -94,7 +103,11 @@ def lookup(key: tuple, states, hparams) -> bool:
     scalar_states = [states[i] for i in entry.scalar_idx]
     scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
     try:
-        entry.run(*entry.head, *scalars, *entry.tail)
+        if entry.direct is not None and entry.direct.usable():
+            entry.direct(entry.dhead, scalars, entry.dtail)
+            counters["direct"] += 1
+        else:
+            entry.run(*entry.head, *scalars, *entry.tail)
     except Exception as e:  # the launcher raises before launching (argument conversion): full path from now on
         ENABLED[0] = False
         LAST_ERROR[0] = e
@@ -165,6 +178,15 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
     stripped = [_strip(a) for a in full]
     entry = _Entry(run=run, head=tuple(stripped[:pos]), tail=tuple(stripped[pos + len(scalars):]),
                    ep=ep, scalar_idx=tuple(scalar_idx), rule=rule)
+    if DIRECT[0]:
+        direct = _compat.TritonDirectLaunch.build(compiled, grid)
+        if direct is not None:
+            try:
+                after = pos + len(scalars)
+                entry.direct, entry.dhead, entry.dtail = (
+                    direct, tuple(direct.expand(stripped[:pos], 0)), tuple(direct.expand(stripped[after:], after)))
+            except Exception as e:  # never fatal: this entry launches through ``run``
+                log.debug("forge: direct launch not prepared: %s: %s", type(e).__name__, e)
     with _LOCK:
         _ENTRIES[key] = entry
         if len(_ENTRIES) > _CAPACITY:
