@@ -25,6 +25,7 @@ full path; a failure of a remembered launch disables the fast path for the proce
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -114,7 +115,8 @@ def lookup(key: tuple, states, hparams) -> bool:
         log.warning("forge: fast launch path failed (%s: %s); using the full launch path from now on",
                     type(e).__name__, str(e)[:300])
         return False
-    with torch.no_grad():
+    # no_grad costs more than the fill itself; inside a backward (where the forge routes launch) grad is off
+    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
     counters["hit"] += 1
