@@ -828,11 +828,12 @@ def render(cfg, analysis, results, header):
             f"excluded), fresh random token batches. loss check: max |loss - baseline loss| over the first "
             f"{cfg['check_steps']} steps on one fixed random batch, up to the baseline's first loss increase (a "
             f"diverging step amplifies rounding noise), tolerance {analysis['loss_tol']:g} nats "
-            "(the baseline's own loss drop over the judged steps in brackets; losses of all steps in notes). notes: host = median time the host "
+            "(the baseline's own loss drop over the judged steps in brackets; losses of all steps in "
+            "notes). notes: host = median time the host "
             "takes to enqueue one timed step (no sync; host-bound when it reaches the median), wall = the timed "
             "loop's wall time per step, synchronized at both ends; busiest other threads = the two threads "
             "besides the main one with the most CPU time (utime+stime from /proc, Linux) per timed step, "
-            "as kernel name/Python name.", ""]
+            "as kernel name/Python name; gc = Python's garbage collections during the timed steps.", ""]
     body = []
     for r in rows:
         if r["status"] != "ok":

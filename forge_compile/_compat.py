@@ -223,7 +223,8 @@ class TritonDirectLaunch:
                 raw, td_index, td_meta = launch, (), []
             else:                                         # wrap_handle_tensordesc's closure over the C function
                 cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
-                raw, td_index, td_meta = cells["launcher"], sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+                raw, td_meta = cells["launcher"], cells["tensordesc_meta"]
+                td_index = sorted(cells["tensordesc_indices"])
                 if getattr(raw, "__code__", None) is not None or len(td_meta) != len(td_index):
                     return None
             self = cls()

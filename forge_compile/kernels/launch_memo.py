@@ -19,8 +19,9 @@ Triton API used (public or documented-by-use, not private names): ``JITFunction.
 launching), ``JITFunction.arg_names``, ``CompiledKernel[grid](*args)`` (the launcher; it takes every parameter,
 constexprs included, as ``JITFunction.run`` passes them). On triton 3.6 a hit goes one layer lower: straight into
 the launcher's C function with the tensor descriptors encoded once (``_compat.TritonDirectLaunch``, the only place
-that knows triton's launcher layout; any other layout keeps ``CompiledKernel[grid]``). Any failure building an entry leaves that key on the
-full path; a failure of a remembered launch disables the fast path for the process (logged) before anything ran.
+that knows triton's launcher layout; any other layout keeps ``CompiledKernel[grid]``). Any failure building an
+entry leaves that key on the full path; a failure of a remembered launch disables the fast path for the process
+(logged) before anything ran.
 """
 from __future__ import annotations
 
