@@ -32,6 +32,10 @@ route's largest micro-batch under B follows from its fit, and with --verify-budg
 preset, time permitting) a forge route is run once more at that micro-batch to measure its peak against B.
 Each run has --run-timeout seconds; runs that cannot start inside --time-budget (540 s: one 600 s device
 call) are reported as skipped; --reuse keeps ok results of identical runs already under --out/runs.
+
+Host-bound runs (forge's routes at fine-tuning sizes on the H200) swing with the host's speed from process to
+process; to read them: --repeat N (N processes per row), --ab-direct (in-process blocks with launch_memo's direct
+C-launcher entry off/on), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS.
 """
 from __future__ import annotations
 
@@ -298,6 +302,8 @@ def thread_stacks(depth=5):
 def run_worker(cfg: dict, res: dict) -> dict:
     """One route at one micro-batch in this process; fills ``res`` as it goes (kept on a failure)."""
     route, mb = cfg["route"], cfg["mb"]
+    if cfg.get("affinity"):
+        os.sched_setaffinity(0, _cpu_list(cfg["affinity"]))
     device = torch.device(cfg["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -392,6 +398,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
             t_all = time.perf_counter()
             cpu_thread, cpu_proc = time.thread_time(), time.process_time()
             threads0 = thread_cpu_snapshot()
+            probe = []
             with _gc_watch() as gcw:
                 for (s, e), (x, y) in zip(ev, batches):
                     t0 = time.perf_counter()
@@ -399,6 +406,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
                     loss = step(x, y)
                     e.record()
                     host.append((time.perf_counter() - t0) * 1e3)
+                    if cfg.get("host_probe"):   # outside the events: costs the GPU nothing it would not idle anyway
+                        probe.append(_host_probe_us())
             # before the sync: the main thread has just enqueued the last step, helpers may still be at work.
             # Formatting the stacks (source lines read from disk) is not a step's work: kept out of wall/CPU.
             t_st, c_st = time.perf_counter(), time.thread_time()
@@ -415,7 +424,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                        wall_ms=(time.perf_counter() - t_all) * 1e3 / n,
                        thread_cpu_ms=(time.thread_time() - cpu_thread) * 1e3 / n,
                        process_cpu_ms=(time.process_time() - cpu_proc) * 1e3 / n,
-                       **_threads_record(threads0, n, stacks), gc=gcw,
+                       **_threads_record(threads0, n, stacks), gc=gcw, host_probe_us=probe or None,
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]
@@ -428,6 +437,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
             res.update(_threads_record(threads0, len(batches), thread_stacks()))
         if cfg.get("cprofile"):
             profile_steps(step, batches, device, cfg["result_path"] + ".cprofile.txt")
+        if cfg.get("ab_direct") and route in FORGE_ROUTES and device.type == "cuda":
+            res["ab_direct"] = _ab_direct(step, batches, device)
         last = float(loss)
         res.update(step_ms=times, median_ms=statistics.median(times), last_timed_loss=last,
                    compiles=_compile_count(route, step), launch_memo=_memo_counters(),
@@ -446,6 +457,57 @@ def _threads_record(before, n, stacks):
     names = {t.native_id: t.name for t in threading.enumerate()}
     return dict(threads_cpu_ms_per_step=thread_cpu_diff(before, thread_cpu_snapshot(), n, names),
                 thread_stacks=stacks)
+
+
+def _cpu_list(spec: str) -> set:
+    """"0-3,6" -> {0, 1, 2, 3, 6}."""
+    cpus = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def _host_probe_us() -> float:
+    """Microseconds of a fixed piece of host work (dict stores, tensor attribute reads: what a launch path does),
+    median of 5: how fast this process's host runs right now. Next to each step's host time it tells a slower
+    host (both grow) from more host work (only the step's grows)."""
+    t = torch.zeros(())
+    d = {}
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(400):
+            d[i & 31] = (t.dim(), t.is_cpu, t.dtype)
+        runs.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(runs)
+
+
+def _ab_direct(step, batches, device) -> dict:
+    """In-process A/B of launch_memo's direct C-launcher entry (a run-to-run comparison of host-bound routes is
+    swamped by per-process host speed): blocks of timed steps with it off, on, off, on (memo cleared and two
+    warm-up steps per block so the entries are rebuilt); median CUDA-event ms per block."""
+    from forge_compile.kernels import launch_memo
+
+    out = {"off": [], "on": []}
+    try:
+        for mode in ("off", "on", "off", "on"):
+            launch_memo.DIRECT[0] = mode == "on"
+            launch_memo.clear()
+            for x, y in batches[:2]:
+                step(x, y)
+            ms = []
+            for x, y in batches:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                step(x, y)
+                e.record()
+                ms.append((s, e))
+            sync(device)
+            out[mode].append(statistics.median(a.elapsed_time(b) for a, b in ms))
+    finally:
+        launch_memo.DIRECT[0] = True
+    return out
 
 
 @contextlib.contextmanager
@@ -656,6 +718,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
                        host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
                        thread_cpu_ms=r.get("thread_cpu_ms"), host_ms=r.get("host_ms"), gc=r.get("gc"),
+                       host_probe_us=r.get("host_probe_us"), ab_direct=r.get("ab_direct"),
                        threads_cpu_ms_per_step=r.get("threads_cpu_ms_per_step"),
                        check_losses=r.get("check_losses"))
             if route in FORGE_ROUTES:
@@ -858,6 +921,11 @@ def render(cfg, analysis, results, header):
                      + (f", slowest host step {max(r['host_ms']):.1f} ms" if r.get("host_ms") else "")
                      + (f", gc {sum(r['gc']['count'])}x {sum(r['gc']['ms']):.1f} ms (gen2 {r['gc']['count'][2]}x)"
                         if r.get("gc") and sum(r["gc"]["count"]) else "")
+                     + (f", host probe {min(r['host_probe_us']):.0f}-{max(r['host_probe_us']):.0f} us"
+                        if r.get("host_probe_us") else "")
+                     + ("; direct entry off/on/off/on: " + " / ".join(
+                         f"{m:.2f}" for pair in zip(r["ab_direct"]["off"], r["ab_direct"]["on"]) for m in pair)
+                        + " ms" if r.get("ab_direct") else "")
                      + _busy_threads_note(r.get("threads_cpu_ms_per_step"))
                      + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
                         if r.get("check_losses") else "")])
@@ -907,6 +975,11 @@ def parse_args(argv):
     p.add_argument("--forge-adamw-fused", choices=("auto", "on", "off"), default="auto",
                    help="AdamW(fused=...) in the forge routes; auto: True unless forge refuses it (printed)")
     p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
+    p.add_argument("--host-probe", action="store_true",
+                   help="time a fixed piece of host work after every timed step (host speed vs host work)")
+    p.add_argument("--ab-direct", action="store_true",
+                   help="forge routes: also time blocks with launch_memo's direct C-launcher entry off/on, in-process")
+    p.add_argument("--affinity", help="pin every run's process to these CPUs, e.g. 0-3 or 0,2 (Linux)")
     p.add_argument("--cprofile", action="store_true",
                    help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")
     p.add_argument("--repeat", type=int, default=1,
@@ -934,7 +1007,8 @@ def main(argv=None):
     cfg = dict(device=args.device, fp32=bool(args.fp32), d_model=args.d_model, layers=args.layers,
                heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
-               forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile))
+               forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
+               host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity)
     lines = []
 
     def log(s):

@@ -94,6 +94,21 @@ def test_loss_check_stops_at_the_baselines_first_loss_increase():
     assert bench._judged_steps([10.8]) == 1
 
 
+def test_host_diagnostics_reach_the_notes():
+    # per-step host timing, GC, the host-speed probe and the in-process A/B of the direct launch entry end up in
+    # the row's notes (they are how a host-bound run is read)
+    step = _run("step", 2, 9, 80)
+    step.update(host_median_ms=19.6, wall_ms=18.5, thread_cpu_ms=18.5, host_ms=[20.1, 11.6, 19.9],
+                gc={"count": [7, 0, 0], "ms": [1.4, 0.0, 0.0]}, host_probe_us=[80.0, 120.0],
+                ab_direct={"off": [21.0, 20.5], "on": [19.0, 18.75]})
+    res = [_run("baseline", 2, 11, 100), step]
+    text = bench.render(CFG, bench.analyse(CFG, res), res, "header")
+    line = next(ln for ln in text.splitlines() if ln.startswith("| step ") and "host probe" in ln)
+    assert "slowest host step 20.1 ms" in line and "gc 7x 1.4 ms (gen2 0x)" in line
+    assert "host probe 80-120 us" in line and "direct entry off/on/off/on: 21.00 / 19.00 / 20.50 / 18.75 ms" in line
+    assert bench._cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+
+
 def test_eager_route_is_a_reference_not_a_forge_route():
     # the eager route's row carries its loss drift against the baseline (the loss check's scale) but no fusion
     # column, no verdicts and no peak-drop claim
