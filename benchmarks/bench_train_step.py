@@ -34,8 +34,8 @@ Each run has --run-timeout seconds; runs that cannot start inside --time-budget 
 call) are reported as skipped; --reuse keeps ok results of identical runs already under --out/runs.
 
 Host-bound runs (forge's routes at fine-tuning sizes on the H200) swing with the host's speed from process to
-process; to read them: --repeat N (N processes per row), --ab-direct (in-process blocks with launch_memo's direct
-C-launcher entry off/on), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS.
+process; to read them: --repeat N (N processes per row), --ab-direct (steps alternating launch_memo's direct
+C-launcher entry off/on, in-process), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS.
 """
 from __future__ import annotations
 
@@ -484,30 +484,28 @@ def _host_probe_us() -> float:
 
 
 def _ab_direct(step, batches, device) -> dict:
-    """In-process A/B of launch_memo's direct C-launcher entry (a run-to-run comparison of host-bound routes is
-    swamped by per-process host speed): blocks of timed steps with it off, on, off, on (memo cleared and two
-    warm-up steps per block so the entries are rebuilt); median CUDA-event ms per block."""
+    """In-process A/B of launch_memo's direct C-launcher entry. A run-to-run comparison of host-bound routes is
+    swamped by the host's speed, which drifts within a process too (e2e run 9: a fixed piece of host work took
+    86-168 us in one run), so the two variants alternate step by step (the memo keeps both launch forms; the switch
+    is read at every hit): median CUDA-event ms of the steps with it off and on, and the per-pair differences."""
     from forge_compile.kernels import launch_memo
 
-    out = {"off": [], "on": []}
+    ev = []
     try:
-        for mode in ("off", "on", "off", "on"):
-            launch_memo.DIRECT[0] = mode == "on"
-            launch_memo.clear()
-            for x, y in batches[:2]:
-                step(x, y)
-            ms = []
-            for x, y in batches:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                step(x, y)
-                e.record()
-                ms.append((s, e))
-            sync(device)
-            out[mode].append(statistics.median(a.elapsed_time(b) for a, b in ms))
+        for i, (x, y) in enumerate(batches + batches):
+            launch_memo.DIRECT[0] = i % 2 == 1
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step(x, y)
+            e.record()
+            ev.append((s, e))
+        sync(device)
     finally:
         launch_memo.DIRECT[0] = True
-    return out
+    ms = [a.elapsed_time(b) for a, b in ev]
+    off, on = ms[0::2], ms[1::2]
+    return {"off": [statistics.median(off)], "on": [statistics.median(on)],
+            "pair_diff_median_ms": statistics.median(a - b for a, b in zip(off, on))}
 
 
 @contextlib.contextmanager
@@ -923,9 +921,9 @@ def render(cfg, analysis, results, header):
                         if r.get("gc") and sum(r["gc"]["count"]) else "")
                      + (f", host probe {min(r['host_probe_us']):.0f}-{max(r['host_probe_us']):.0f} us"
                         if r.get("host_probe_us") else "")
-                     + ("; direct entry off/on/off/on: " + " / ".join(
-                         f"{m:.2f}" for pair in zip(r["ab_direct"]["off"], r["ab_direct"]["on"]) for m in pair)
-                        + " ms" if r.get("ab_direct") else "")
+                     + (f"; direct entry off/on (alternating steps) {r['ab_direct']['off'][0]:.2f} / "
+                        f"{r['ab_direct']['on'][0]:.2f} ms, paired difference "
+                        f"{r['ab_direct']['pair_diff_median_ms']:.2f} ms" if r.get("ab_direct") else "")
                      + _busy_threads_note(r.get("threads_cpu_ms_per_step"))
                      + ("; losses " + " ".join(f"{v:.4f}" for v in r["check_losses"])
                         if r.get("check_losses") else "")])
@@ -978,7 +976,7 @@ def parse_args(argv):
     p.add_argument("--host-probe", action="store_true",
                    help="time a fixed piece of host work after every timed step (host speed vs host work)")
     p.add_argument("--ab-direct", action="store_true",
-                   help="forge routes: also time blocks with launch_memo's direct C-launcher entry off/on, in-process")
+                   help="forge routes: also time steps alternating launch_memo's direct C-launcher entry off/on")
     p.add_argument("--affinity", help="pin every run's process to these CPUs, e.g. 0-3 or 0,2 (Linux)")
     p.add_argument("--cprofile", action="store_true",
                    help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")

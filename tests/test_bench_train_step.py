@@ -100,12 +100,12 @@ def test_host_diagnostics_reach_the_notes():
     step = _run("step", 2, 9, 80)
     step.update(host_median_ms=19.6, wall_ms=18.5, thread_cpu_ms=18.5, host_ms=[20.1, 11.6, 19.9],
                 gc={"count": [7, 0, 0], "ms": [1.4, 0.0, 0.0]}, host_probe_us=[80.0, 120.0],
-                ab_direct={"off": [21.0, 20.5], "on": [19.0, 18.75]})
+                ab_direct={"off": [21.0], "on": [19.0], "pair_diff_median_ms": 1.75})
     res = [_run("baseline", 2, 11, 100), step]
     text = bench.render(CFG, bench.analyse(CFG, res), res, "header")
     line = next(ln for ln in text.splitlines() if ln.startswith("| step ") and "host probe" in ln)
     assert "slowest host step 20.1 ms" in line and "gc 7x 1.4 ms (gen2 0x)" in line
-    assert "host probe 80-120 us" in line and "direct entry off/on/off/on: 21.00 / 19.00 / 20.50 / 18.75 ms" in line
+    assert "host probe 80-120 us" in line and "direct entry off/on (alternating steps) 21.00 / 19.00 ms, paired difference 1.75 ms" in line
     assert bench._cpu_list("0-3,6") == {0, 1, 2, 3, 6}
 
 

@@ -105,7 +105,7 @@ def lookup(key: tuple, states, hparams) -> bool:
     scalar_states = [states[i] for i in entry.scalar_idx]
     scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
     try:
-        if entry.direct is not None and entry.direct.usable():
+        if entry.direct is not None and DIRECT[0] and entry.direct.usable():
             entry.direct(entry.dhead, scalars, entry.dtail)
             counters["direct"] += 1
         else:
