@@ -1,6 +1,7 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
-  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap]
+  python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
+                                                           splitovl|hoist]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -10,7 +11,8 @@ elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lio
 deep vector lookahead, vs the default) time Gluon configs in one process, one line per case, bench_rings.txt /
 bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64..8192 and 14336x4096 M=2048, the
 default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue alone (M=64) vs cuBLAS / torch's
-fused AdamW, bench_overlap.txt.
+fused AdamW, bench_overlap.txt. "v12"/"v12b": v12 split configs; "splitovl" (split_overlap_sweep): where the split
+kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -473,6 +475,46 @@ def split_overlap_sweep(args, log):
     return all_ok
 
 
+# ---- split with per-tile chunk bases (GConfig.hoist) vs split, side by side ------------------------------------------
+
+HOIST_CASES = [("adamw", (64, 256, 1024, 2048, 4096, 8192)), ("sgdm", (256, 2048, 8192)), ("lion", (256, 2048))]
+
+
+def hoist_sweep(args, log):
+    """bf16 4096x4096, one process: unfused, split_config() and split_config(hoist=True) (both checked bit-exact vs
+    eager on their stored dW), the hoisted kernel's gain. split is what auto picks above M=512 (3 arrays) / 1024 (2);
+    the M <= 256 rows say whether the epilogue warps' streaming is instruction-bound (there the split kernel runs at the
+    epilogue's rate). False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    split, hoist = wg.split_config(), wg.split_config(hoist=True)
+    for kind, ms in HOIST_CASES:
+        for m in ms:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, 4096, 4096, m, seed=m)
+            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                     for c in (split, hoist))
+            all_ok &= ok
+            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+            t = {"unfused": bench(fn), "split": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=split)),
+                 "hoist": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=hoist))}
+            t["split/hoist"] = t["split"] / t["hoist"]
+            rows.append((kind, m, t))
+            log(f"{kind} 4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items())
+                + ("" if ok else " | CHECK FAILED"))
+            del w, dy_t, x, st
+            torch.cuda.empty_cache()
+    keys = list(rows[0][2])
+    log("\n" + f"{'rule':>6} {'M':>6} " + " ".join(f"{k:>11}" for k in keys))
+    for kind, m, t in rows:
+        log(f"{kind:>6} {m:>6} " + " ".join(f"{t[k]:>11.4f}" for k in keys))
+    return all_ok
+
+
 # ---- overlap diagnostic: the kernel's GEMM schedule alone (GConfig.epi="gemm") vs the fused kernel, one process ----
 
 OVERLAP_CASES = [(4096, 4096, (64, 256, 1024, 2048, 4096, 8192)), (14336, 4096, (64, 2048))]
@@ -604,7 +646,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
-                                                                 "smem", "overlap", "v12", "v12b", "splitovl"])
+                                                                 "smem", "overlap", "v12", "v12b", "splitovl", "hoist"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -625,9 +667,10 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl"):
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist"):
         ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
-              "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep}[args.cases](args, log)
+              "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
+              "hoist": hoist_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

@@ -530,7 +530,12 @@ SPLIT_LAYOUTS = {"split_r8a4s5": wg.split_config(), "split_r16a2s5": wg.split_co
                  "split_r8a3e136": wg.split_config(ahead=3, eregs=136), "split_r8a4_cs": wg.split_config(evict="cs"),
                  # two dW tiles handed over in turn (prepared, not measured)
                  "split_r8a4d2s3": wg.split_config(dw_tiles=2, stages=3),
-                 "split_r8a4d2b32s6": wg.split_config(dw_tiles=2, stages=6, bmt=32)}
+                 "split_r8a4d2b32s6": wg.split_config(dw_tiles=2, stages=6, bmt=32),
+                 # chunk addresses from per-tile bases (prepared, not measured); one chunk ahead crosses into the
+                 # next tile at every tile's last chunk, 8 ahead at every chunk
+                 "split_r8a4h": wg.split_config(hoist=True),
+                 "split_r16a1h": wg.split_config(rows=16, ahead=1, hoist=True),
+                 "split_r8a8h": wg.split_config(ahead=8, hoist=True)}
 
 
 def test_split_layouts_fit():
@@ -567,7 +572,7 @@ def test_split_stream_off_is_a_split_only_diagnostic():
         for n_arrays in (2, 3, 4):
             assert wg.pick_gconfig(m, n_arrays).stream
     for cfg in (wg.smem_config(), wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
-        for bad in (dict(stream=False), dict(dw_tiles=2)):
+        for bad in (dict(stream=False), dict(dw_tiles=2), dict(hoist=True)):
             with pytest.raises(ValueError):
                 wg._check_gconfig(dataclasses.replace(cfg, **bad))
     # the L2 hints exist on the vector-load streams (smem, split) only

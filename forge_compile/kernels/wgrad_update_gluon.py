@@ -743,11 +743,27 @@ def _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.co
 
 
 @gluon.jit
+def _smem_load_at(offs, msk, w_ptr, {state_ptrs}LD_EV: gl.constexpr):
+    # W and the tensor states at offs (16-byte vectors), as one tuple
+    return (gl.load(w_ptr + offs, mask=msk, eviction_policy=LD_EV), {smem_state_loads})
+
+
+@gluon.jit
 def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr,
                R: gl.constexpr, GROUP: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr):
-    # W and the tensor states of chunk c of tile t (16-byte vectors), as one tuple
+    # W and the tensor states of chunk c of tile t
     offs, msk = _smem_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
-    return (gl.load(w_ptr + offs, mask=msk, eviction_policy=LD_EV), {smem_state_loads})
+    return _smem_load_at(offs, msk, w_ptr, {state_ptrs}LD_EV)
+
+
+@gluon.jit
+def _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD: gl.constexpr,
+                   ST_EV: gl.constexpr, ST_CM: gl.constexpr):
+    # the updated W and tensor states (and dW when stored) at offs
+    gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
+{smem_stores}
+    if STORE_GRAD:
+        gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
 
 
 @gluon.jit
@@ -778,10 +794,43 @@ def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, 
     g = dw.index(dbase + C0 + c).load(L)
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _smem_chunk(t, C0 + c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
-    gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
-{smem_stores}
-    if STORE_GRAD:
-        gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
+    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
+    return ahead[1:] + (nxt, )
+
+
+@gluon.jit
+def _tile_base(t, num_tiles, num_n, num_k, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr):
+    # first row and column of tile t (clamped to the last tile: _chunk_at masks tiles past the end by t)
+    pid_n, pid_k = _tile_coords(gl.minimum(t, num_tiles - 1), num_n, num_k, GROUP)
+    return pid_n * BN, pid_k * BK
+
+
+@gluon.jit
+def _chunk_at(row0, col0, t, c, num_tiles, N, K, BK: gl.constexpr, R: gl.constexpr, L: gl.constexpr,
+              BIG: gl.constexpr):
+    # _smem_chunk from the tile's first row/column (_tile_base) instead of its index: no tile-order div/mod
+    rows = row0 + c * R + gl.arange(0, R, layout=gl.SliceLayout(1, L))
+    cols = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, L))
+    return _offs_mask(rows, cols, t, num_tiles, N, K, BIG)
+
+
+@gluon.jit
+def _smem_step_at(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, dbase,
+                  num_tiles, N, K, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, L: gl.constexpr,
+                  BIG: gl.constexpr, STORE_GRAD: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
+                  ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
+    # _smem_step with the chunk addresses from the first row/column of tile t (base) and of the warpgroup's next
+    # tile (base_nx), computed once per tile by the caller (GConfig.hoist): _smem_step derives both chunks' tile
+    # coordinates -- four integer divisions/remainders each -- at every chunk. Same addresses, same data, same math.
+    nx = (c + AHEAD) // CNT            # 0: the chunk AHEAD on is in tile t, 1: in the next tile
+    offs, msk = _chunk_at(base[0] + nx * (base_nx[0] - base[0]), base[1] + nx * (base_nx[1] - base[1]),
+                          t + nx * tstep, C0 + (c + AHEAD) % CNT, num_tiles, N, K, BK, R, L, BIG)
+    nxt = _smem_load_at(offs, msk, w_ptr, {state_ptrs}LD_EV)
+    {carry} = ahead[0]
+    g = dw.index(dbase + C0 + c).load(L)
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params})
+    offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
+    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
     return ahead[1:] + (nxt, )
 
 
@@ -924,7 +973,7 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
 def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr):
+               ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
@@ -935,16 +984,26 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     ahead = _smem_ahead0(pid, H * CNT, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, BIG,
                          LD_EV)
     r = 0
+    if HOIST:
+        base = _tile_base(pid, num_tiles, num_n, num_k, BN, BK, GROUP)
     for t in range(pid, num_tiles, nprog):
         b = r % NDW
         mbarrier.wait(dw_bar.index(b), (r // NDW) & 1)
         # STREAM=False (overlap diagnostic): the tile is handed back untouched, so the MMA warpgroup's time with
         # its hand-offs but without the W/state traffic shows
         if STREAM:
-            for c in range(CNT):
-                ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
-                                   b * (BN // R), num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG,
-                                   STORE_GRAD, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
+            if HOIST:
+                base_nx = _tile_base(t + nprog, num_tiles, num_n, num_k, BN, BK, GROUP)
+                for c in range(CNT):
+                    ahead = _smem_step_at(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr,
+                                          {scalar_params}nprog, b * (BN // R), num_tiles, N, K, BK, R, AHEAD, L,
+                                          BIG, STORE_GRAD, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
+                base = base_nx
+            else:
+                for c in range(CNT):
+                    ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
+                                       b * (BN // R), num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L,
+                                       BIG, STORE_GRAD, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
         # all four warps' reads of the tile are done before the (single-thread) arrive frees it
         gl.thread_barrier()
         mbarrier.arrive(dw_bar.index(NDW + b))
@@ -955,9 +1014,9 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
 def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr):
+                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)
 
 
 @gluon.jit
@@ -966,7 +1025,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              HOIST: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -988,9 +1047,9 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
                       NDW)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -1238,6 +1297,8 @@ class GConfig:
     #                        epilogue of the tile before, at the cost of GEMM stages; prepared, not measured)
     stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
     #                        without touching W/states (never picked; NOTES_kernel.md v12)
+    hoist: bool = False    # epi="split": chunk addresses from per-tile row/column bases computed once per tile
+    #                        (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not measured)
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -1409,7 +1470,7 @@ SPLIT_STAGES = 5
 
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
-                 eregs: int = 152, stream: bool = True, dw_tiles: int = 1) -> GConfig:
+                 eregs: int = 152, stream: bool = True, dw_tiles: int = 1, hoist: bool = False) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1417,7 +1478,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
-                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles)
+                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist)
     _check_gconfig(cfg)
     return cfg
 
@@ -1450,8 +1511,8 @@ def _boxes(cfg: GConfig) -> int:
 
 def _check_gconfig(cfg: GConfig):
     # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
-    if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
-        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
+    if (not cfg.stream or cfg.dw_tiles != 1 or cfg.hoist) and cfg.epi != "split":
+        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic), dw_tiles and hoist exist for "
                          "epi='split' only")
     if cfg.evict and cfg.epi not in ("smem", "split"):
         raise ValueError(f"Gluon config {cfg}: L2 hints (evict) exist for the vector-load streams of epi='smem' / "
@@ -1676,7 +1737,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
                     maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles)
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, HOIST=cfg.hoist)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec")
