@@ -35,7 +35,8 @@ call) are reported as skipped; --reuse keeps ok results of identical runs alread
 
 Host-bound runs (forge's routes at fine-tuning sizes on the H200) swing with the host's speed from process to
 process; to read them: --repeat N (N processes per row), --ab-direct (steps alternating launch_memo's direct
-C-launcher entry off/on, in-process), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS.
+C-launcher entry off/on, in-process), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS,
+--cpp-wrapper (every route with Inductor's C++ wrapper: the host code of the compiled graphs in C++).
 """
 from __future__ import annotations
 
@@ -304,6 +305,9 @@ def run_worker(cfg: dict, res: dict) -> dict:
     route, mb = cfg["route"], cfg["mb"]
     if cfg.get("affinity"):
         os.sched_setaffinity(0, _cpu_list(cfg["affinity"]))
+    if cfg.get("cpp_wrapper"):   # every route alike: Inductor's host code in C++ (tests/test_cpp_wrapper.py)
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp_wrapper = True
     device = torch.device(cfg["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -978,6 +982,8 @@ def parse_args(argv):
     p.add_argument("--ab-direct", action="store_true",
                    help="forge routes: also time steps alternating launch_memo's direct C-launcher entry off/on")
     p.add_argument("--affinity", help="pin every run's process to these CPUs, e.g. 0-3 or 0,2 (Linux)")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="every route compiles with Inductor's C++ wrapper (host code in C++: cheaper launches)")
     p.add_argument("--cprofile", action="store_true",
                    help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")
     p.add_argument("--repeat", type=int, default=1,
@@ -1006,7 +1012,8 @@ def main(argv=None):
                heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
-               host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity)
+               host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
+               cpp_wrapper=bool(args.cpp_wrapper))
     lines = []
 
     def log(s):
@@ -1018,7 +1025,8 @@ def main(argv=None):
     header = (f"bench_train_step  {stamp}  device {args.device} ({{gpu}})  torch {torch.__version__}\n"
               f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
               f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}, fp32 master "
-              f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}")
+              f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
+              + ("; Inductor C++ wrapper (every route)" if args.cpp_wrapper else ""))
     log(header.replace("\n", "; ").replace(" ({gpu})", ""))
     runner = Runner(cfg, args.out, t_start + args.time_budget, args.run_timeout, args.reuse, log)
     results = []
