@@ -13,20 +13,21 @@ import forge_compile as forge
 import forge_compile.backend as fb
 
 
-def _model():
+def _model(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 8))
+    return nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 8)).to(device)
 
 
-def _batches():
+def _batches(device):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)) for _ in range(3)]
+    return [(torch.randn(16, 32, generator=g).to(device), torch.randn(16, 8, generator=g).to(device))
+            for _ in range(3)]
 
 
-def _train(route, cpp):
+def _train(route, cpp, device):
     torch._dynamo.reset()
     fb.clear_reports()
-    model = _model()
+    model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if route == "step":
         @forge.compile_train_step
@@ -39,7 +40,7 @@ def _train(route, cpp):
             loss = F.mse_loss(cm(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
     fused_before = fb.counters["fused_backward"]
     with inductor_config.patch(cpp_wrapper=cpp):
-        losses = [step(x, y).item() for x, y in _batches()]
+        losses = [step(x, y).item() for x, y in _batches(device)]
     rep = step.last_report if route == "step" else fb.last_report()
     fused = sorted(r.name.split(".", 1)[-1] for r in rep.fused)
     if route == "backend":   # every step's backward took the fused variant
@@ -47,12 +48,16 @@ def _train(route, cpp):
     return losses, [p.detach().clone() for p in model.parameters()], fused
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["step", "backend"])
-def test_cpp_wrapper_matches_python_wrapper(route, tmp_path, monkeypatch):
-    losses_py, params_py, fused_py = _train(route, False)
+def test_cpp_wrapper_matches_python_wrapper(route, device, tmp_path, monkeypatch):
+    losses_py, params_py, fused_py = _train(route, False, device)
     # a cache of its own: the C++ wrapper's source lands there, and must call the fused op
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    losses_cpp, params_cpp, fused_cpp = _train(route, True)
+    losses_cpp, params_cpp, fused_cpp = _train(route, True, device)
     sources = [f.read_text(errors="replace") for f in tmp_path.rglob("*.cpp")]
     assert any('"forge::wgrad_update_"' in src for src in sources), f"{len(sources)} C++ sources, no forge call"
     assert fused_cpp == fused_py and len(fused_py) == 3, (fused_py, fused_cpp)
@@ -60,4 +65,4 @@ def test_cpp_wrapper_matches_python_wrapper(route, tmp_path, monkeypatch):
     for a, b in zip(params_py, params_cpp):
         assert torch.equal(a, b)
     # and the weights did move: three AdamW steps from the same start
-    assert not torch.equal(params_py[0], _model()[0].weight.detach())
+    assert not torch.equal(params_py[0], _model(device)[0].weight.detach())
