@@ -14,7 +14,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
   DEFAULT_TESTS=tests
 fi
-export PYTHONUNBUFFERED=1 FORGE_RESULTS=$OUT TRITON_CACHE_DIR=/tmp/triton_cache FORGE_KERNEL_CACHE=/tmp/forge_kernels
+# only ~8 files come back from $OUT: the tests' small JSON results go to a folder that is tarred into one at the end
+export PYTHONUNBUFFERED=1 FORGE_RESULTS=/tmp/forge_results TRITON_CACHE_DIR=/tmp/triton_cache \
+  FORGE_KERNEL_CACHE=/tmp/forge_kernels
+mkdir -p /tmp/forge_results
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
@@ -44,4 +47,7 @@ fi
 if [ -n "${PROFILE_ARGS:-}" ]; then
   timeout ${PROFILE_TIMEOUT:-120} python3 benchmarks/profile_train_step.py --out $OUT ${PROFILE_ARGS} > $OUT/profile.log 2>&1
   stamp "profile rc=$?"; cat $OUT/profile.log | tail -12
+fi
+if [ -n "$(ls -A /tmp/forge_results 2>/dev/null)" ]; then
+  tar czf $OUT/test_results.tgz -C /tmp forge_results && stamp "test results: $OUT/test_results.tgz"
 fi
