@@ -481,37 +481,39 @@ HOIST_CASES = [("adamw", (64, 256, 1024, 2048, 4096, 8192)), ("sgdm", (256, 2048
 
 
 def hoist_sweep(args, log):
-    """bf16 4096x4096, one process: unfused, split_config() and split_config(hoist=True) (both checked bit-exact vs
-    eager on their stored dW), the hoisted kernel's gain. split is what auto picks above M=512 (3 arrays) / 1024 (2);
-    the M <= 256 rows say whether the epilogue warps' streaming is instruction-bound (there the split kernel runs at the
-    epilogue's rate). False when a check failed."""
+    """bf16 4096x4096, one process: unfused, split_config() / smem_config() and the same with hoist=True (all checked
+    bit-exact vs eager on their stored dW), the hoisted kernels' gains. auto picks split above M=512 (3 arrays) /
+    1024 (2), smem for 3 arrays at M <= 512; the small-M rows say whether the epilogue warps' streaming is
+    instruction-bound (there both kernels run at the epilogue's rate). False when a check failed."""
     from triton.testing import do_bench
 
     def bench(fn):
         return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
 
     all_ok, rows = True, []
-    split, hoist = wg.split_config(), wg.split_config(hoist=True)
+    cfgs = {"split": wg.split_config(), "split_h": wg.split_config(hoist=True),
+            "smem": wg.smem_config(), "smem_h": wg.smem_config(hoist=True)}
     for kind, ms in HOIST_CASES:
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, 4096, 4096, m, seed=m)
             ok = all(check_config(rule, w, dy_t, x, st, hp, None,
                                   launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
-                     for c in (split, hoist))
+                     for c in cfgs.values())
             all_ok &= ok
             fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
-            t = {"unfused": bench(fn), "split": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=split)),
-                 "hoist": bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=hoist))}
-            t["split/hoist"] = t["split"] / t["hoist"]
+            t = {"unfused": bench(fn)}
+            t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
+            t["split/h"] = t["split"] / t["split_h"]
+            t["smem/h"] = t["smem"] / t["smem_h"]
             rows.append((kind, m, t))
             log(f"{kind} 4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items())
                 + ("" if ok else " | CHECK FAILED"))
             del w, dy_t, x, st
             torch.cuda.empty_cache()
     keys = list(rows[0][2])
-    log("\n" + f"{'rule':>6} {'M':>6} " + " ".join(f"{k:>11}" for k in keys))
+    log("\n" + f"{'rule':>6} {'M':>6} " + " ".join(f"{k:>9}" for k in keys))
     for kind, m, t in rows:
-        log(f"{kind:>6} {m:>6} " + " ".join(f"{t[k]:>11.4f}" for k in keys))
+        log(f"{kind:>6} {m:>6} " + " ".join(f"{t[k]:>9.4f}" for k in keys))
     return all_ok
 
 

@@ -445,7 +445,10 @@ SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(
                 "smem_r16a1s3": wg.smem_config(ahead=1), "smem_r16a2s2": wg.smem_config(stages=2),
                 "smem_r16a2b32s6": wg.smem_config(bmt=32, stages=6),
                 # L2 hints (v12): evict_first loads and stores / .cs stores
-                "smem_r16a2s3_first": wg.smem_config(evict="first"), "smem_r16a2s3_cs": wg.smem_config(evict="cs")}
+                "smem_r16a2s3_first": wg.smem_config(evict="first"), "smem_r16a2s3_cs": wg.smem_config(evict="cs"),
+                # chunk addresses from per-tile bases (prepared, not measured)
+                "smem_r16a2s3h": wg.smem_config(hoist=True),
+                "smem_r8a1s3h": wg.smem_config(rows=8, ahead=1, hoist=True)}
 
 
 def test_vector_picks_where_measured():
@@ -572,7 +575,7 @@ def test_split_stream_off_is_a_split_only_diagnostic():
         for n_arrays in (2, 3, 4):
             assert wg.pick_gconfig(m, n_arrays).stream
     for cfg in (wg.smem_config(), wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
-        for bad in (dict(stream=False), dict(dw_tiles=2), dict(hoist=True)):
+        for bad in (dict(stream=False), dict(dw_tiles=2)) + (() if cfg.epi == "smem" else (dict(hoist=True),)):
             with pytest.raises(ValueError):
                 wg._check_gconfig(dataclasses.replace(cfg, **bad))
     # the L2 hints exist on the vector-load streams (smem, split) only

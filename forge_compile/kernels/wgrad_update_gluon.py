@@ -842,7 +842,7 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
                    {scalar_params}M, N, K, num_tiles, num_n, num_k,
                    CID: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                    R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
-                   ST_EV: gl.constexpr, ST_CM: gl.constexpr):
+                   ST_EV: gl.constexpr, ST_CM: gl.constexpr, HOIST: gl.constexpr):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -862,6 +862,8 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
     t0 = pid + CID * nprog
     ahead = _smem_ahead0(t0, 0, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, BIG,
                          LD_EV)
+    if HOIST:
+        base = _tile_base(t0, num_tiles, num_n, num_k, BN, BK, GROUP)
     for t in range(t0, num_tiles, 2 * nprog):
         # the GEMM ring is shared: mma turn as in the tma kernel's _consumer
         turn_ph = (r & 1) ^ (1 - CID)
@@ -875,10 +877,18 @@ def _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
         gl.thread_barrier()
         # a rolled loop for every rule: the chunk is addressed at run time (smem index, offsets), no selects
         # needed (v10's _pick); unrolled, Lion with dW spilled 48 B at [16, 128] x 2 and its SASS was 2.5x larger
-        for c in range(NCH):
-            ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}2 * nprog, 0,
-                               num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
-                               ST_EV, ST_CM, 0, NCH)
+        if HOIST:   # GConfig.hoist: chunk addresses from the tile's and the next tile's first row/column
+            base_nx = _tile_base(t + 2 * nprog, num_tiles, num_n, num_k, BN, BK, GROUP)
+            for c in range(NCH):
+                ahead = _smem_step_at(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr,
+                                      {scalar_params}2 * nprog, 0, num_tiles, N, K, BK, R, AHEAD, L, BIG, STORE_GRAD,
+                                      LD_EV, ST_EV, ST_CM, 0, NCH)
+            base = base_nx
+        else:
+            for c in range(NCH):
+                ahead = _smem_step(dw_chunks, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}2 * nprog, 0,
+                                   num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, L, BIG, STORE_GRAD, LD_EV,
+                                   ST_EV, ST_CM, 0, NCH)
         j += 2
         r += 1
 
@@ -888,10 +898,10 @@ def _smem_consumer1(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, r
                     {scalar_params}M, N, K, num_tiles, num_n, num_k,
                     GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                     R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
-                    ST_EV: gl.constexpr, ST_CM: gl.constexpr):
+                    ST_EV: gl.constexpr, ST_CM: gl.constexpr, HOIST: gl.constexpr):
     _smem_consumer(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw,
                    {scalar_params}M, N, K, num_tiles, num_n, num_k, 1, GROUP, STAGES, STORE_GRAD, R, AHEAD, BIG,
-                   LD_EV, ST_EV, ST_CM)
+                   LD_EV, ST_EV, ST_CM, HOIST)
 
 
 @gluon.jit
@@ -899,7 +909,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               {scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
-                              ST_EV: gl.constexpr, ST_CM: gl.constexpr,
+                              ST_EV: gl.constexpr, ST_CM: gl.constexpr, HOIST: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -919,10 +929,10 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     gl.warp_specialize([
         (_smem_consumer, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn, dw0,
                           {scalar_params}M, N, K, num_tiles, num_n, num_k, 0, GROUP, STAGES, STORE_GRAD, R, AHEAD,
-                          BIG, LD_EV, ST_EV, ST_CM)),
+                          BIG, LD_EV, ST_EV, ST_CM, HOIST)),
         (_smem_consumer1, (dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, ready, empty, mma_turn,
                            dw1, {scalar_params}M, N, K, num_tiles, num_n, num_k, GROUP, STAGES, STORE_GRAD, R,
-                           AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+                           AHEAD, BIG, LD_EV, ST_EV, ST_CM, HOIST)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -1297,8 +1307,9 @@ class GConfig:
     #                        epilogue of the tile before, at the cost of GEMM stages; prepared, not measured)
     stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
     #                        without touching W/states (never picked; NOTES_kernel.md v12)
-    hoist: bool = False    # epi="split": chunk addresses from per-tile row/column bases computed once per tile
-    #                        (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not measured)
+    hoist: bool = False    # epi="smem"/"split": chunk addresses from per-tile row/column bases computed once per
+    #                        tile (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not
+    #                        measured)
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -1451,7 +1462,7 @@ _EVICT = {"": ("", "", ""), "first": ("evict_first", "evict_first", ""), "cs": (
 
 
 def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: int = 64,
-                evict: str = "") -> GConfig:
+                evict: str = "", hoist: bool = False) -> GConfig:
     """The v11 epilogue (GConfig.epi="smem"): dW through each consumer's smem tile, [rows, 128] chunks with
     ``ahead`` chunks of W/states loads in flight (at most: ``smem_ahead`` lowers it for rules with 3 tensor states),
     ``stages`` GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). No epilogue ring
@@ -1460,7 +1471,7 @@ def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: 
     # accumulator registers (AdamW [16, 128] x 2 ahead spilled 8 B at 232, 44 B at 248, where the compiler then
     # gives the default partition only 232; 0 at 240, both consumers 240)
     cfg = GConfig(epi="smem", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=240,
-                  evict=evict)
+                  evict=evict, hoist=hoist)
     _check_gconfig(cfg)
     return cfg
 
@@ -1511,9 +1522,11 @@ def _boxes(cfg: GConfig) -> int:
 
 def _check_gconfig(cfg: GConfig):
     # shapes the template's chunk splits are written for (a [128, 128] tile in the 4-warp wgmma layout)
-    if (not cfg.stream or cfg.dw_tiles != 1 or cfg.hoist) and cfg.epi != "split":
-        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic), dw_tiles and hoist exist for "
+    if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
+        raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
                          "epi='split' only")
+    if cfg.hoist and cfg.epi not in ("smem", "split"):
+        raise ValueError(f"Gluon config {cfg}: hoist exists for the smem chunk walks (epi='smem' / 'split') only")
     if cfg.evict and cfg.epi not in ("smem", "split"):
         raise ValueError(f"Gluon config {cfg}: L2 hints (evict) exist for the vector-load streams of epi='smem' / "
                          "'split' only")
@@ -1734,10 +1747,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         ld_ev, st_ev, st_cm = _EVICT[cfg.evict]
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=grad_out is not None, R=cfg.epi_m,
                     LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
-                    AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, CONSUMER_REGS=cfg.cregs, num_warps=4,
-                    maxnreg=cfg.maxnreg, enable_fp_fusion=False)
+                    AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
+                    num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, HOIST=cfg.hoist)
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec")
