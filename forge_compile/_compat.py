@@ -91,15 +91,32 @@ def aot_autograd(**kwargs):
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def compile_fx_with_inner(gm, example_inputs, inner_compile):
+def compile_fx_with_inner(gm, example_inputs, inner_compile, config_patches=None):
     """Inductor's AOTAutograd entry with our own ``inner_compile`` (sees ``is_backward=True`` for the
-    backward graph). The AOTAutograd cache is off: a cache hit would skip ``inner_compile`` and hand back
+    backward graph) and Inductor ``config_patches`` (as torch.compile's ``options``; compile_fx applies them to
+    the backward too). The AOTAutograd cache is off: a cache hit would skip ``inner_compile`` and hand back
     a backward without forge's extra inputs."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx as _compile_fx
 
     with functorch_config.patch(enable_autograd_cache=False):
-        return _compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+
+
+def inductor_option_names() -> set:
+    """The names ``torch.compile(..., options=...)`` accepts for Inductor (its config options)."""
+    import torch._inductor
+
+    return set(torch._inductor.list_options())
+
+
+@contextlib.contextmanager
+def inductor_config_patch(patches):
+    """Inductor config ``patches`` (a dict of option names, possibly empty) for the block."""
+    from torch._inductor import config
+
+    with config.patch(dict(patches or {})):
+        yield
 
 
 def compile_fx_inner(gm, example_inputs, **kwargs):

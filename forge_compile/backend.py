@@ -337,8 +337,9 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
 class _Compilation:
     """State shared by the forward and backward compiles of one Dynamo graph."""
 
-    def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir):
+    def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir, inductor_options=None):
         self.optimizer = optimizer
+        self.inductor_options = dict(inductor_options or {})   # for the unfused variant, compiled later
         self.fuse = fuse
         self.dump_dir = dump_dir
         # ids only: holding the example inputs would keep the first batch alive with the compiled code
@@ -496,7 +497,7 @@ class _Compilation:
         roles = _roles_text(gm, len(placeholders), ph_of, self.names, self.plans, self.input_ids)
         runtime = None
         if fused_plans:
-            unfused_variant = _UnfusedVariant(original, list(example_inputs), kwargs)
+            unfused_variant = _UnfusedVariant(original, list(example_inputs), kwargs, self.inductor_options)
             fused_names = {id(pl.param): self.names[i] for i, pl in cands if i not in unfused}
             runtime = (extras, fused_names, unfused_variant)
         return self._finish(gm, list(example_inputs) + extra_fakes, compile_fx_inner, kwargs, captured,
@@ -544,10 +545,11 @@ class _UnfusedVariant:
     plain Inductor the first time a backward must run unfused, inside the contexts the fused one was
     compiled in. If Inductor fails there, the graph runs eagerly (correct, slower, logged)."""
 
-    def __init__(self, gm, example_inputs, kwargs):
+    def __init__(self, gm, example_inputs, kwargs, inductor_options=None):
         self.gm = gm
         self.example_inputs = example_inputs
         self.kwargs = dict(kwargs)
+        self.inductor_options = dict(inductor_options or {})
         self.contexts = _compat.saved_compile_contexts()
         self.fn = None
 
@@ -559,7 +561,7 @@ class _UnfusedVariant:
                 # the backward may run under autocast; the graph is already in its final dtypes
                 with _compat.in_compile_contexts(self.contexts), torch.autocast("cpu", enabled=False), \
                         (torch.autocast("cuda", enabled=False) if torch.cuda.is_available()
-                         else contextlib.nullcontext()):
+                         else contextlib.nullcontext()), _compat.inductor_config_patch(self.inductor_options):
                     self.fn = _compat.compile_fx_inner(gm, self.example_inputs, **self.kwargs)
             except Exception:
                 counters["eager_fallback"] += 1
@@ -755,18 +757,24 @@ def _op_short(target) -> str:
     return str(target).split(".")[-2] if str(target).startswith("aten.") else getattr(target, "__name__", str(target))
 
 
+_FORGE_OPTIONS = ("optimizer", "fuse", "dump_dir")
+
+
 def forge_backend(gm, example_inputs, options=None, **kwargs):
     """Dynamo backend ``"forge"``. Options: ``optimizer`` (a torch.optim.Optimizer over the model's
-    parameters; without it this is plain Inductor), ``fuse`` (default True), ``dump_dir``."""
+    parameters; without it this is plain Inductor), ``fuse`` (default True), ``dump_dir``; any other option is
+    an Inductor option, as with ``torch.compile(options=...)`` for Inductor (``torch._inductor.list_options()``,
+    e.g. ``cpp_wrapper``, ``max_autotune``), applied to every graph forge compiles."""
     opts = dict(options or {})
     opts.update(kwargs)
-    unknown = set(opts) - {"optimizer", "fuse", "dump_dir"}
+    inductor_opts = {k: v for k, v in opts.items() if k not in _FORGE_OPTIONS}
+    unknown = set(inductor_opts) - _compat.inductor_option_names()
     if unknown:
-        raise TypeError(f"forge backend: unknown options {sorted(unknown)} "
-                        "(known: optimizer, fuse, dump_dir)")
+        raise TypeError(f"forge backend: unknown options {sorted(unknown)} (forge's: {', '.join(_FORGE_OPTIONS)}; "
+                        "any other must be an Inductor option, torch._inductor.list_options())")
     comp = _Compilation(gm, example_inputs, opts.get("optimizer"), bool(opts.get("fuse", True)),
-                        opts.get("dump_dir"))
-    return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile)
+                        opts.get("dump_dir"), inductor_opts)
+    return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
 
 
 _compat.register_dynamo_backend("forge", forge_backend)

@@ -147,8 +147,13 @@ class _OptimizerReads:
 
 
 class CompiledTrainStep:
-    def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None):
+    def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None):
         functools.update_wrapper(self, fn)
+        unknown = set(options or {}) - _compat.inductor_option_names()
+        if unknown:
+            raise TypeError(f"compile_train_step: unknown Inductor options {sorted(unknown)} "
+                            "(torch._inductor.list_options())")
+        self._options = dict(options or {})
         self._fn = fn
         self._dump_dir = dump_dir
         self._fuse = fuse
@@ -362,7 +367,8 @@ class CompiledTrainStep:
                                                plans, states, hparams, flat, args, kwargs)
             gm = _decompose_remaining_updates(gm, flat)
             _compat.reset_reinplace_counters()
-            with _compat.inductor_config_for_forge():
+            # the user's Inductor options first, forge's required settings over them
+            with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge():
                 compiled = _compat.compile_fx(gm, flat)
             report.notes.extend(_clone_notes())
             entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"])
@@ -439,12 +445,14 @@ def _decompose_remaining_updates(gm, flat):
     return _compat.make_fx(lambda *a: interp.run(*a), decomposition_table=table, tracing_mode="fake")(*flat)
 
 
-def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None):
+def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None):
     """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
-    into one graph whose linear weight gradients are fused with their optimizer update."""
+    into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
+    options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``)."""
+    kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options)
     if fn is None:
-        return lambda f: CompiledTrainStep(f, dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers)
-    return CompiledTrainStep(fn, dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers)
+        return lambda f: CompiledTrainStep(f, **kw)
+    return CompiledTrainStep(fn, **kw)
 
 
 def explain(fn, *args, **kwargs) -> FusionReport:

@@ -1,13 +1,14 @@
-"""Inductor's C++ wrapper (``torch._inductor.config.cpp_wrapper``): the host code of a compiled graph in C++ instead
-of Python, much cheaper per kernel launch -- the forge routes are host-bound at fine-tuning sizes on the H200
-(benchmarks/RESULTS.md, e2e run 9). The wrapper calls ``forge::wgrad_update_`` through the dispatcher
-(``findSchemaOrThrow("forge::wgrad_update_")``); both routes must fuse the same weights and end bit-identical to
-the Python wrapper (same generated kernels, same fused op), and the fused path must really have run."""
+"""Inductor's C++ wrapper (Inductor option ``cpp_wrapper``): the host code of a compiled graph in C++ instead of
+Python, much cheaper per kernel launch -- the forge routes are host-bound at fine-tuning sizes on the H200
+(benchmarks/RESULTS.md, e2e run 9). Asked for through each route's Inductor options
+(``compile_train_step(options=...)``, ``torch.compile(backend="forge", options={"optimizer": ..., "cpp_wrapper":
+True})``). The wrapper calls ``forge::wgrad_update_`` through the dispatcher; both routes must fuse the same weights
+and end bit-identical to the Python wrapper (same generated kernels, same fused op), and the fused path must really
+have run."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 
 import forge_compile as forge
 import forge_compile.backend as fb
@@ -29,18 +30,18 @@ def _train(route, cpp, device):
     fb.clear_reports()
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    inductor_options = {"cpp_wrapper": True} if cpp else {}
     if route == "step":
-        @forge.compile_train_step
+        @forge.compile_train_step(options=inductor_options)
         def step(x, y):
             loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
     else:
-        cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+        cm = torch.compile(model, backend="forge", options={"optimizer": opt, **inductor_options})
 
         def step(x, y):
             loss = F.mse_loss(cm(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
     fused_before = fb.counters["fused_backward"]
-    with inductor_config.patch(cpp_wrapper=cpp):
-        losses = [step(x, y).item() for x, y in _batches(device)]
+    losses = [step(x, y).item() for x, y in _batches(device)]
     rep = step.last_report if route == "step" else fb.last_report()
     fused = sorted(r.name.split(".", 1)[-1] for r in rep.fused)
     if route == "backend":   # every step's backward took the fused variant
@@ -66,3 +67,17 @@ def test_cpp_wrapper_matches_python_wrapper(route, device, tmp_path, monkeypatch
         assert torch.equal(a, b)
     # and the weights did move: three AdamW steps from the same start
     assert not torch.equal(params_py[0], _model(device)[0].weight.detach())
+
+
+def test_unknown_options_are_refused_before_compiling():
+    # forge's own options plus Inductor's; anything else is a clear error, at construction for compile_train_step
+    # and at the first call for the backend (Dynamo calls it then)
+    with pytest.raises(TypeError, match="unknown Inductor options"):
+        forge.compile_train_step(lambda: None, options={"cpp_wraper": True})
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt, "max_autotun": True})
+    with pytest.raises(Exception, match="unknown options"):
+        cm(torch.randn(2, 32))
+    assert all(p.grad is None for p in model.parameters())
