@@ -36,7 +36,8 @@ call) are reported as skipped; --reuse keeps ok results of identical runs alread
 Host-bound runs (forge's routes at fine-tuning sizes on the H200) swing with the host's speed from process to
 process; to read them: --repeat N (N processes per row), --ab-direct (steps alternating launch_memo's direct
 C-launcher entry off/on, in-process), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS,
---cpp-wrapper (every route with Inductor's C++ wrapper: the host code of the compiled graphs in C++).
+--inductor-options JSON / --cpp-wrapper (Inductor options for every compiled route: e.g. the host code in C++, or
+CUDA graphs, which leave forge's op out: it is tagged cudagraph_unsafe).
 """
 from __future__ import annotations
 
@@ -166,7 +167,9 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
                 f"forge refused AdamW(fused=True), using fused=False ({e})")
 
 
-def make_step(route, wl, opt, autocast):
+def make_step(route, wl, opt, autocast, inductor_options=None):
+    """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route."""
+    io = dict(inductor_options or {})
     if route == "step":
         import forge_compile as forge
 
@@ -177,13 +180,13 @@ def make_step(route, wl, opt, autocast):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-        return forge.compile_train_step(body, models=wl, optimizers=opt), None
+        return forge.compile_train_step(body, models=wl, optimizers=opt, options=io), None
 
     if route == "backend":
         import forge_compile  # noqa: F401  (registers backend="forge")
-        cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt})
+        cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **io})
     elif route == "baseline":
-        cm = torch.compile(wl, dynamic=False)
+        cm = torch.compile(wl, dynamic=False, options=io or None)
     elif route == "eager":
         # no compiler: how far two correct bf16 executions of the same step drift apart (the loss check's scale)
         cm = wl
@@ -305,9 +308,6 @@ def run_worker(cfg: dict, res: dict) -> dict:
     route, mb = cfg["route"], cfg["mb"]
     if cfg.get("affinity"):
         os.sched_setaffinity(0, _cpu_list(cfg["affinity"]))
-    if cfg.get("cpp_wrapper"):   # every route alike: Inductor's host code in C++ (tests/test_cpp_wrapper.py)
-        import torch._inductor.config as inductor_config
-        inductor_config.cpp_wrapper = True
     device = torch.device(cfg["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -335,7 +335,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
         print(f"[{route} mb={mb}] note: {note}", flush=True)
     autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
-    step, probe = make_step(route, wl, opt, autocast)
+    step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"))
 
     # Correctness steps: one fixed batch, the same in every route (CPU generator, then moved).
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -982,8 +982,10 @@ def parse_args(argv):
     p.add_argument("--ab-direct", action="store_true",
                    help="forge routes: also time steps alternating launch_memo's direct C-launcher entry off/on")
     p.add_argument("--affinity", help="pin every run's process to these CPUs, e.g. 0-3 or 0,2 (Linux)")
+    p.add_argument("--inductor-options", default="{}",
+                   help='Inductor options (JSON) for every compiled route, e.g. \'{"triton.cudagraphs": true}\'')
     p.add_argument("--cpp-wrapper", action="store_true",
-                   help="every route compiles with Inductor's C++ wrapper (host code in C++: cheaper launches)")
+                   help="shorthand: adds cpp_wrapper to --inductor-options (host code in C++: cheaper launches)")
     p.add_argument("--cprofile", action="store_true",
                    help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")
     p.add_argument("--repeat", type=int, default=1,
@@ -1013,7 +1015,8 @@ def main(argv=None):
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
-               cpp_wrapper=bool(args.cpp_wrapper))
+               inductor_options={**json.loads(args.inductor_options), **({"cpp_wrapper": True} if args.cpp_wrapper
+                                                                          else {})})
     lines = []
 
     def log(s):
@@ -1026,7 +1029,8 @@ def main(argv=None):
               f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
               f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}, fp32 master "
               f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
-              + ("; Inductor C++ wrapper (every route)" if args.cpp_wrapper else ""))
+              + (f"; Inductor options (every compiled route) {cfg['inductor_options']}"
+                 if cfg["inductor_options"] else ""))
     log(header.replace("\n", "; ").replace(" ({gpu})", ""))
     runner = Runner(cfg, args.out, t_start + args.time_budget, args.run_timeout, args.reuse, log)
     results = []

@@ -103,6 +103,12 @@ def compile_fx_with_inner(gm, example_inputs, inner_compile, config_patches=None
         return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
 
 
+def cudagraph_unsafe_tags() -> tuple:
+    """The op tag that keeps an op out of Inductor's CUDA graphs (absent in old torch: no tag)."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return (tag,) if tag is not None else ()
+
+
 def inductor_option_names() -> set:
     """The names ``torch.compile(..., options=...)`` accepts for Inductor (its config options)."""
     import torch._inductor

@@ -97,3 +97,12 @@ def test_fused_step_never_allocates_a_full_dw():
     assert _peak_rss_growth(lambda: fused(x)) < 0.5 * dw_bytes
     rows, cols = cpu_block_shape(n, k)
     assert rows * cols * 4 < 0.25 * dw_bytes
+
+
+def test_op_is_tagged_cudagraph_unsafe():
+    # its launch bakes host scalars (bias corrections, lr) of the moment: Inductor's CUDA graphs must leave it out
+    # (tests/test_gpu_cudagraphs.py runs both routes with them)
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    assert tag in torch.ops.forge.wgrad_update_.default.tags

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from .. import _compat
 from ..optim.rule import get_rule
 from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
@@ -75,9 +76,13 @@ def _check(weight, dy_t, x, states, rule_name):
 # through (the op returns nothing and runs only inside backward), and the impl bumps the version
 # counters of what it mutates, as ADInplaceOrView would, so saved-tensor checks still see the update.
 _LIB = torch.library.Library("forge", "FRAGMENT")
+# cudagraph_unsafe: the launch passes host scalars computed from the step counter and hyper-parameters at that
+# moment (bias corrections, lr), so a CUDA graph that captured it would replay step 1's values forever. Inductor's
+# cudagraphs then leave the op out (graph_partition: a partition boundary; otherwise the graph is not captured).
 _LIB.define(
     "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
-    "str rule) -> ()"
+    "str rule) -> ()",
+    tags=_compat.cudagraph_unsafe_tags(),
 )
 
 
