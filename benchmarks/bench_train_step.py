@@ -44,8 +44,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import datetime
+import gc
 import importlib.util
 import json
 import math
@@ -402,7 +402,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
             t_all = time.perf_counter()
             cpu_thread, cpu_proc = time.thread_time(), time.process_time()
             threads0 = thread_cpu_snapshot()
-            probe = []
+            probe_us = []   # not ``probe``: that name holds make_step's gradient probe
             with _gc_watch() as gcw:
                 for (s, e), (x, y) in zip(ev, batches):
                     t0 = time.perf_counter()
@@ -411,7 +411,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                     e.record()
                     host.append((time.perf_counter() - t0) * 1e3)
                     if cfg.get("host_probe"):   # outside the events: costs the GPU nothing it would not idle anyway
-                        probe.append(_host_probe_us())
+                        probe_us.append(_host_probe_us())
             # before the sync: the main thread has just enqueued the last step, helpers may still be at work.
             # Formatting the stacks (source lines read from disk) is not a step's work: kept out of wall/CPU.
             t_st, c_st = time.perf_counter(), time.thread_time()
@@ -428,7 +428,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
                        wall_ms=(time.perf_counter() - t_all) * 1e3 / n,
                        thread_cpu_ms=(time.thread_time() - cpu_thread) * 1e3 / n,
                        process_cpu_ms=(time.process_time() - cpu_proc) * 1e3 / n,
-                       **_threads_record(threads0, n, stacks), gc=gcw, host_probe_us=probe or None,
+                       **_threads_record(threads0, n, stacks), gc=gcw, host_probe_us=probe_us or None,
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]

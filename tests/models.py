@@ -51,3 +51,23 @@ class TinyLM(nn.Module):
 
     def forward(self, idx):
         return self.head(self.block(self.emb(idx)))
+
+
+def mse_route_step(route, model, opt, inductor_options=None):
+    """The MSE train step of ``model`` and ``opt`` through one forge route ("step": compile_train_step, "backend":
+    torch.compile(backend="forge")), both compiled with ``inductor_options`` (e.g. cpp_wrapper, CUDA graphs);
+    the step returns the loss. compile_train_step's object carries ``last_report``; the backend's is
+    forge_compile.backend.last_report()."""
+    import forge_compile as forge
+
+    io = dict(inductor_options or {})
+    if route == "step":
+        @forge.compile_train_step(options=io)
+        def step(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        return step
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt, **io})
+
+    def step(x, y):
+        loss = F.mse_loss(cm(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    return step

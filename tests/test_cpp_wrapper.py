@@ -8,10 +8,10 @@ have run."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import forge_compile as forge
 import forge_compile.backend as fb
+from models import mse_route_step
 
 
 def _model(device="cpu"):
@@ -30,16 +30,7 @@ def _train(route, cpp, device):
     fb.clear_reports()
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    inductor_options = {"cpp_wrapper": True} if cpp else {}
-    if route == "step":
-        @forge.compile_train_step(options=inductor_options)
-        def step(x, y):
-            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
-    else:
-        cm = torch.compile(model, backend="forge", options={"optimizer": opt, **inductor_options})
-
-        def step(x, y):
-            loss = F.mse_loss(cm(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = mse_route_step(route, model, opt, {"cpp_wrapper": True} if cpp else {})
     fused_before = fb.counters["fused_backward"]
     losses = [step(x, y).item() for x, y in _batches(device)]
     rep = step.last_report if route == "step" else fb.last_report()

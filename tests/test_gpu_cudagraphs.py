@@ -8,10 +8,9 @@ ratio, ~3x at step 4, far outside the tolerance)."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-import forge_compile as forge
 import forge_compile.backend as fb
+from models import mse_route_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,15 +25,7 @@ def _run(route, options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 16)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    if route == "step":
-        @forge.compile_train_step(options=options)
-        def step(x, y):
-            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
-    else:
-        cm = torch.compile(model, backend="forge", options={"optimizer": opt, **options})
-
-        def step(x, y):
-            loss = F.mse_loss(cm(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = mse_route_step(route, model, opt, options)
     g = torch.Generator(device="cuda").manual_seed(1)
     losses = []
     for i in range(5):

@@ -119,11 +119,8 @@ def flush_step_mirrors() -> None:
     for dev, mirror in pending:
         by_device.setdefault((dev.device, dev.dtype), []).append((dev, mirror))
     for (device, dtype), pairs in by_device.items():
-        if len(pairs) == 1:
-            pairs[0][0].copy_(pairs[0][1], non_blocking=True)
-        else:
-            values = torch.stack([m for _, m in pairs]).to(device=device, dtype=dtype, non_blocking=True)
-            _compat.foreach_copy_([d for d, _ in pairs], list(values.unbind(0)))
+        values = torch.stack([m for _, m in pairs]).to(device=device, dtype=dtype, non_blocking=True)
+        _compat.foreach_copy_([d for d, _ in pairs], list(values.unbind(0)))
     for dev, _ in pending:
         entry = _STEP_MIRRORS.get(dev)
         if entry is not None:
