@@ -41,7 +41,7 @@ from ..optim.rule import Rule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EpilogueUnsupported", "Epilogue", "compile_epilogue", "load_kernel_module"]
+__all__ = ["EpilogueUnsupported", "Epilogue", "compile_epilogue", "scalar_fields", "load_kernel_module"]
 
 aten = torch.ops.aten
 
@@ -490,6 +490,21 @@ def compile_epilogue(rule: Rule, target: str = "cuda") -> Epilogue:
             _CACHE.setdefault(key, ep)
         log.debug("forge: epilogue for rule %r (%s):\n%s", rule.name, target, ep.body)
     return ep
+
+
+def scalar_fields(ep: Epilogue, table: bool, ptr: str, load: str) -> dict:
+    """Template fields for how a kernel receives the rule's scalars ``c0..c{n-1}``.
+
+    Default: one fp32 argument each, host floats at every launch. ``table``: one pointer argument ``ptr`` to the n
+    fp32 values in device memory (a row of a scalar table), loaded once at the kernel's start with ``load`` (the
+    language's load). Such a launch can be captured in a CUDA graph: the values change between replays, the
+    argument does not. The default fields leave the kernel source as it was without the option.
+    """
+    n = ep.n_kernel_scalars
+    if not table:
+        return dict(kernel_scalar_params="".join(f"c{i}, " for i in range(n)), scalar_loads="")
+    return dict(kernel_scalar_params=f"{ptr}, ",
+                scalar_loads="".join(f"    c{i} = {load}({ptr} + {i})\n" for i in range(n)))
 
 
 # ----------------------------------------------------------------------------------------------------

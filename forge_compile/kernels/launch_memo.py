@@ -71,7 +71,8 @@ class _Entry:
     run: Callable[..., Any]      # CompiledKernel[grid]
     head: tuple                  # arguments before the scalars
     tail: tuple                  # arguments after them
-    ep: Any                      # the rule's Epilogue (host_scalars needs it)
+    ep: Any                      # the rule's Epilogue (host_scalars needs it); None: the kernel reads its
+    #                              scalars from a device table row (one of the tensors in the key)
     scalar_idx: tuple[int, ...]  # positions of the scalar states in ``states``
     rule: Any                    # kept so that id(rule) in the key is never reused while the entry lives
     direct: Any = None           # _compat.TritonDirectLaunch: the C launcher entered straight (None: ``run``)
@@ -100,10 +101,13 @@ def lookup(key: tuple, states, hparams) -> bool:
     if entry is None:
         counters["miss"] += 1
         return False
-    from .wgrad_update_triton import host_scalars
+    if entry.ep is None:     # scalars read from a device table by the kernel: nothing to compute or advance
+        scalar_states, scalars, new_scalar_states = (), (), ()
+    else:
+        from .wgrad_update_triton import host_scalars
 
-    scalar_states = [states[i] for i in entry.scalar_idx]
-    scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
+        scalar_states = [states[i] for i in entry.scalar_idx]
+        scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
     try:
         if entry.direct is not None and DIRECT[0] and entry.direct.usable():
             entry.direct(entry.dhead, scalars, entry.dtail)
@@ -140,7 +144,7 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
     """After a successful full launch under ``key``: on the key's second sighting build its entry.
 
     ``prepare()`` returns the full path's ``(kernel, grid, args, opts, ...)`` for the same arguments (it has no
-    side effects). The host scalars sit in ``args`` as one run; they are found by identity: host_scalars returns
+    side effects); ``ep`` None: a launch with a scalar table (no host scalars). The host scalars sit in ``args`` as one run; they are found by identity: host_scalars returns
     the same list object for the same scalar-state and hyper-parameter values, so the list computed here is the
     one ``prepare()`` places (not memoized -- CUDA scalar states -- means not found: the key stays on the full
     path)."""
@@ -155,7 +159,7 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
     from .wgrad_update_triton import host_scalars
 
     try:
-        scalars = host_scalars(ep, [states[i] for i in scalar_idx], hparams)[0]
+        scalars = host_scalars(ep, [states[i] for i in scalar_idx], hparams)[0] if ep is not None else []
         kernel, grid, args, opts = prepare()[:4]
         pos = _scalar_pos(args, scalars)
         if pos is None:

@@ -67,7 +67,8 @@ import threading
 import torch
 
 from ..optim.rule import Rule
-from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module
+from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module, scalar_fields
+from .wgrad_update_triton import split_states
 
 log = logging.getLogger(__name__)
 
@@ -486,7 +487,7 @@ def _consumer1(dy_desc, x_desc, w_desc, {state_descs}g_desc, a_bufs, b_bufs, rea
 
 @gluon.jit
 def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
-                              {scalar_params}M, N, K,
+                              {kernel_scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, ES: gl.constexpr,
                               NLOAD: gl.constexpr, NST: gl.constexpr, STORE_GRAD: gl.constexpr,
                               NRING: gl.constexpr, NB: gl.constexpr, EOUT: gl.constexpr,
@@ -495,7 +496,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_desc, {state_descs}g_desc,
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
-    num_n = gl.cdiv(N, BN)
+{scalar_loads}    num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
@@ -685,14 +686,14 @@ def _vec_consumer1(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, re
 
 @gluon.jit
 def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
-                              {scalar_params}M, N, K,
+                              {kernel_scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               EPI_N: gl.constexpr, BIG: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
-    # 16-byte vectors need 16-byte aligned rows: K % 8 == 0 (gluon_reason; the TMA descriptors need it too)
+{scalar_loads}    # 16-byte vectors need 16-byte aligned rows: K % 8 == 0 (gluon_reason; the TMA descriptors need it too)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -906,7 +907,7 @@ def _smem_consumer1(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr, a_bufs, b_bufs, r
 
 @gluon.jit
 def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
-                              {scalar_params}M, N, K,
+                              {kernel_scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, HOIST: gl.constexpr,
@@ -914,7 +915,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
-    gl.static_assert(BN % R == 0 and R % 4 == 0)
+{scalar_loads}    gl.static_assert(BN % R == 0 and R % 4 == 0)
     # 16-byte vectors need 16-byte aligned rows: K % 8 == 0 (gluon_reason; the TMA descriptors need it too)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
@@ -1031,7 +1032,7 @@ def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_t
 
 @gluon.jit
 def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
-                              {scalar_params}M, N, K,
+                              {kernel_scalar_params}M, N, K,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
@@ -1039,7 +1040,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
-    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
+{scalar_loads}    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -1155,11 +1156,12 @@ def _to_gluon(code: str) -> str:
     return code
 
 
-def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
+def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False) -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
     warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
-    instead of the update; the rule's text is in the module but never called)."""
+    instead of the update; the rule's text is in the module but never called). ``table``: the rule scalars are read
+    from a device pointer ``scal_ptr`` (epilogue_codegen.scalar_fields) instead of taken as arguments."""
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
@@ -1170,6 +1172,7 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
         roll=any(op in ep.body for op in _ROLL_OPS),
         state_vars="".join(f"{s}, " for s in states),
         scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
+        **scalar_fields(ep, table, "scal_ptr", "gl.load"),
         body=_to_gluon(ep.body) if ep.body.strip() else "    pass",
         outputs=", ".join(_to_gluon(o) for o in ep.outputs),
         new_vars=", ".join(new_vars),
@@ -1221,8 +1224,9 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma") -> str:
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-_EPI_SOURCES: dict[tuple[str, str], str] = {}     # (rule, epi) -> its epi="vec" / "smem" / "split" / "gemm" module
-_KERNELS: dict[str | tuple[str, str], object] = {}   # rule (epi "tma") or (rule, epi) -> kernel
+# (rule, epi, table) -> its module for epi="vec" / "smem" / "split" / "gemm", or any epi with a scalar table
+_EPI_SOURCES: dict[tuple[str, str, bool], str] = {}
+_KERNELS: dict[str | tuple[str, str, bool], object] = {}   # rule (epi "tma", no table) or (rule, epi, table) -> kernel
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
 
@@ -1240,30 +1244,31 @@ def _source_for(rule: Rule):
     return hit
 
 
-def _epi_source(rule: Rule, epi: str) -> str:
-    # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module: rendered on demand, never by
-    # gluon_reason (the rule renders for "tma" first)
+def _epi_source(rule: Rule, epi: str, table: bool = False) -> str:
+    # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module, or a module reading its
+    # scalars from a table: rendered on demand, never by gluon_reason (the rule renders for "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
         raise GluonUnsupported(why)
-    hit = _EPI_SOURCES.get((rule.name, epi))
+    hit = _EPI_SOURCES.get((rule.name, epi, table))
     if hit is None:
-        hit = render_gluon_source(ep, epi)
+        hit = render_gluon_source(ep, epi, table)
         with _LOCK:
-            _EPI_SOURCES.setdefault((rule.name, epi), hit)
+            _EPI_SOURCES.setdefault((rule.name, epi, table), hit)
     return hit
 
 
-def _kernel_for(rule: Rule, epi: str = "tma"):
-    key = rule.name if epi == "tma" else (rule.name, epi)
+def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False):
+    key = rule.name if epi == "tma" and not table else (rule.name, epi, table)
     kern = _KERNELS.get(key)
     if kern is None:
         ep, src, why = _source_for(rule)
         if src is None:
             raise GluonUnsupported(why)
-        if epi != "tma":
-            src = _epi_source(rule, epi)
-        kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{ep.source_key}")
+        if epi != "tma" or table:
+            src = _epi_source(rule, epi, table)
+        kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{'table_' if table else ''}"
+                                       f"{ep.source_key}")
         kern = kern.wgrad_update_gluon_kernel
         with _LOCK:
             _KERNELS.setdefault(key, kern)
@@ -1629,8 +1634,9 @@ def _mode() -> str:
     return mode if mode in ("auto", "gluon", "triton") else "auto"
 
 
-def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | None:
-    """None when this launch goes to the Gluon kernel, else why not (it then goes to the Triton kernel)."""
+def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None, table=None) -> str | None:
+    """None when this launch goes to the Gluon kernel, else why not (it then goes to the Triton kernel).
+    ``table``: the launch reads its scalars from this device row; ``states`` are the tensor states alone."""
     mode = _mode()
     if mode == "triton":
         return f"{ENV}=triton"
@@ -1657,7 +1663,7 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None) -> str | No
         return "dy_t must be the transpose of a row-major dY and x row-major"
     if n % 8 or k % 8:
         return "N and K must be multiples of 8 (16-byte TMA row strides)"
-    tensor_states = [s for i, s in enumerate(states) if not rule.is_scalar_state(i)]
+    tensor_states = split_states(rule, states, table)[0]
     epi = [weight, *tensor_states] + ([grad_out] if grad_out is not None else [])
     for t in epi:
         if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != weight.shape or t.device != dev:
@@ -1677,8 +1683,8 @@ def _auto_keeps_triton(rule: Rule) -> bool:
     return ep is None or any(op in ep.body for op in _AUTO_TRITON_OPS)
 
 
-def use_gluon(weight, dy_t, x, states, rule: Rule, grad_out=None) -> bool:
-    return gluon_reason(weight, dy_t, x, states, rule, grad_out) is None
+def use_gluon(weight, dy_t, x, states, rule: Rule, grad_out=None, table=None) -> bool:
+    return gluon_reason(weight, dy_t, x, states, rule, grad_out, table) is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1704,16 +1710,20 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
-             max_ctas: int | None = None):
+             max_ctas: int | None = None, table=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .wgrad_update_triton import host_scalars
+    from .wgrad_update_triton import check_table, host_scalars
 
-    kernel = _kernel_for(rule)
+    tabled = table is not None
+    kernel = _kernel_for(rule, table=tabled)
     ep = _source_for(rule)[0]
-    tensor_states = [s for i, s in enumerate(states) if not rule.is_scalar_state(i)]
-    scalar_states = [s for i, s in enumerate(states) if rule.is_scalar_state(i)]
-    scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
+    tensor_states, scalar_states = split_states(rule, states, table)
+    if tabled:
+        check_table(ep, table, weight)
+        scalars, new_scalar_states = [table], []
+    else:
+        scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
     n, k = weight.shape
     m = x.shape[0]
     epi = [weight, *tensor_states] + ([grad_out] if grad_out is not None else [])
@@ -1737,7 +1747,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi in ("smem", "split"):
-        kernel = _kernel_for(rule, cfg.epi)
+        kernel = _kernel_for(rule, cfg.epi, tabled)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
@@ -1753,7 +1763,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
             opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
-        kernel = _kernel_for(rule, "vec")
+        kernel = _kernel_for(rule, "vec", tabled)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
@@ -1779,33 +1789,36 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
 
 
 def launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
-           max_ctas: int | None = None):
+           max_ctas: int | None = None, table=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
-    ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes)."""
+    ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` as in
+    wgrad_update_triton.launch_wgrad_update."""
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, grad_out, config=config, max_ctas=max_ctas)
+        weight, dy_t, x, states, hparams, rule, grad_out, config=config, max_ctas=max_ctas, table=table)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
 
 
-def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None):
+def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
+                 table=None):
     """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are
     NOT advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config=config)
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config=config,
+                                              table=table)
     return lambda: kernel[grid](*args, **opts)
 
 
-def try_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> bool:
+def try_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, table=None) -> bool:
     """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton."""
-    why = gluon_reason(weight, dy_t, x, states, rule, grad_out)
+    why = gluon_reason(weight, dy_t, x, states, rule, grad_out, table)
     if why is not None:
         if _mode() == "gluon":
             log.debug("forge: %s=gluon but rule %r goes to the Triton kernel: %s", ENV, rule.name, why)
         return False
     try:
-        launch(weight, dy_t, x, states, hparams, rule, grad_out)
+        launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
     except Exception as e:  # build/compile failure (a triton whose Gluon API differs): the launch never ran
         with _LOCK:
             _BROKEN[rule.name] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"

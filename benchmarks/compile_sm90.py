@@ -1,0 +1,160 @@
+"""Compile forge's Gluon wgrad+update kernels for sm_90 on a machine without a GPU: smem, registers, spills, SASS.
+
+Why: device time is scarce and the CPU sessions change kernels. This answers, before any GPU run, whether a change
+compiles, what it costs in registers/spills/smem, and -- by a hash of the SASS with addresses stripped -- whether a
+shipped kernel's machine code changed at all (a change that leaves it identical needs no new measurement).
+
+Needs the GPU machine's triton (3.6) first on the path, e.g.
+    pip install --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 python benchmarks/compile_sm90.py --save /tmp/before.json
+    ... change the kernel module ...
+    PYTHONPATH=/tmp/t36 python benchmarks/compile_sm90.py --compare /tmp/before.json
+A stub driver reports an sm_90 target; launches are prepared on CPU tensors (TensorDescriptors are host objects) and
+compiled with ``warmup``; the bundled ptxas gives registers/spills, cuobjdump the SASS.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _stub_driver():
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Stub:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(_Stub())
+
+
+def _specs(args):
+    from forge_compile.kernels import wgrad_update_gluon as wg
+    from forge_compile.optim import rules as R
+
+    rules = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
+    layouts = {"tma": wg.GConfig(), "smem": wg.smem_config(), "split": wg.split_config(),
+               "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config()}
+    for rname in args.rules.split(","):
+        for lname in args.layouts.split(","):
+            for table in ((False, True) if args.table == "both" else (args.table == "on",)):
+                for dw in ((False, True) if args.grad_out else (False,)):
+                    yield f"{rname}/{lname}{'/table' if table else ''}{'/dw' if dw else ''}", rules[rname], \
+                        layouts[lname], table, dw
+
+
+def _sass_digest(cubin: bytes, cuobjdump: str):
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.cubin")
+        with open(p, "wb") as f:
+            f.write(cubin)
+        r = subprocess.run([cuobjdump, "-sass", p], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError("cuobjdump: " + r.stderr[-800:])
+    # instruction text only: "/*0a40*/  IMAD ... ;  /* 0x... */" -> "IMAD ... ;"
+    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?;)", r.stdout)]
+    return len(ins), hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], sum("F2I" in i for i in ins)
+
+
+def compile_one(rule, cfg, table, dw, n, k, m):
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from forge_compile.kernels import wgrad_update_gluon as wg
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    from forge_compile.kernels.wgrad_update_triton import split_states
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    states = [torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(n, k, generator=gen)
+              for i in range(len(rule.states))]
+    dy = torch.randn(m, n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
+    grad = torch.empty_like(w) if dw else None
+    tab = None
+    if table:
+        states = split_states(rule, states)[0]
+        hp = []
+        tab = torch.zeros(compile_epilogue(rule, "cuda").n_kernel_scalars)
+    kernel, grid, kargs, opts = wg._prepare(w, dy.t(), x, states, hp, rule, grad, config=cfg, max_ctas=132,
+                                            table=tab)[:4]
+    ck = kernel.warmup(*kargs, grid=grid, **opts)
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ck.asm["ptx"])
+        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", p, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError("ptxas: " + r.stderr[-1500:])
+    regs = [int(v) for v in re.findall(r"Used (\d+) registers", r.stderr)]
+    spills = max((int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                                          r.stderr)), default=0)
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    n_ins, digest, f2i = _sass_digest(ck.asm["cubin"], cuobjdump)
+    return dict(smem_kb=round(ck.metadata.shared / 1024, 1), regs=max(regs, default=0), spills=spills,
+                sass=n_ins, f2i=f2i, digest=digest)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rules", default="adamw,sgdm,lion")
+    ap.add_argument("--layouts", default="tma,smem,split,vec")
+    ap.add_argument("--table", choices=["off", "on", "both"], default="both",
+                    help="kernels taking their scalars as arguments (off), from a table row (on), or both")
+    ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
+    ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
+    ap.add_argument("--save", help="write the rows as JSON")
+    ap.add_argument("--compare", help="a JSON from --save: report whose SASS changed")
+    args = ap.parse_args(argv)
+    _stub_driver()
+    n, k, m = (int(v) for v in args.shape.split(","))
+    rows, failed = {}, []
+    for name, rule, cfg, table, dw in _specs(args):
+        t0 = time.time()
+        try:
+            row = compile_one(rule, cfg, table, dw, n, k, m)
+        except Exception as e:   # report and go on
+            failed.append(name)
+            print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[-1200:]}", flush=True)
+            continue
+        rows[name] = row
+        print(f"{name:28s} smem {row['smem_kb']:6.1f} KB  regs {row['regs']:3d}  spills {row['spills']:4d} B  "
+              f"SASS {row['sass']:5d} (F2I {row['f2i']:2d})  {row['digest']}  {time.time() - t0:.0f}s", flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.compare:
+        with open(args.compare) as f:
+            old = json.load(f)
+        same = [nm for nm in rows if nm in old and old[nm]["digest"] == rows[nm]["digest"]]
+        changed = [nm for nm in rows if nm in old and old[nm]["digest"] != rows[nm]["digest"]]
+        print(f"SASS identical: {len(same)}; changed: {len(changed)} {changed}; "
+              f"not in {args.compare}: {[nm for nm in rows if nm not in old]}")
+    print(f"compiled {len(rows)}" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
