@@ -38,8 +38,10 @@ from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward
+from .passes.scalar_table import graph_replay_blocker, table_width, use_scalar_table
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
+from .step_graph import GRAPH_DEVICE, StepGraph, fill_table
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ class _Compiled:
     out_spec: object
     n_user_out: int
     grad_params: list        # params whose .grad the step leaves set (outputs after the user's)
+    graph: StepGraph | None = None     # cuda_graphs: the replayed step (fn's last input is ``table``)
+    table: torch.Tensor | None = None  # cuda_graphs: the scalar table, row r for plan ``table_plans[r]``
+    table_plans: tuple = ()
 
 
 def _tensor_meta(t):
@@ -147,7 +152,8 @@ class _OptimizerReads:
 
 
 class CompiledTrainStep:
-    def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None):
+    def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
+                 cuda_graphs=False):
         functools.update_wrapper(self, fn)
         unknown = set(options or {}) - _compat.inductor_option_names()
         if unknown:
@@ -157,6 +163,7 @@ class CompiledTrainStep:
         self._fn = fn
         self._dump_dir = dump_dir
         self._fuse = fuse
+        self._cuda_graphs = bool(cuda_graphs)
         self._explicit_models = models
         self._explicit_optimizers = optimizers
         self._cache: dict = {}
@@ -303,9 +310,40 @@ class CompiledTrainStep:
         report = FusionReport(decisions, graph="train_step")
         if not any(d.fused for d in decisions) and self._fuse and decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")
+        out_info["table"] = None
+        if self._cuda_graphs:
+            out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), report)
         rewritten_code = format_graph(gm)
         write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
         return gm, report, out_info
+
+    def _use_table(self, gm, plans, states, hparams, first_state, report):
+        """cuda_graphs: rewrite the graph's updates to read a scalar table (passes/scalar_table.py); returns
+        ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
+        replayed as a graph and runs as without cuda_graphs."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        plan_of, scalar_inputs = {}, set()
+        pos = first_state
+        for i, ((_, pl), ss) in enumerate(zip(plans, states)):
+            for j in range(len(ss)):
+                plan_of[placeholders[pos]] = i
+                if pl.rule.is_scalar_state(j):
+                    scalar_inputs.add(placeholders[pos])
+                pos += 1
+        for i, hh in enumerate(hparams):
+            for _ in hh:
+                plan_of[placeholders[pos]] = i
+                scalar_inputs.add(placeholders[pos])
+                pos += 1
+        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0])
+        if blocker is not None:
+            report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {blocker}")
+            log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)
+            return None
+        table_plans, width = use_scalar_table(gm, plan_of)
+        report.notes.append(f"cuda_graphs: replayed as one CUDA graph; {len(table_plans)} updates read their "
+                            "step-dependent scalars from a device table written before each replay")
+        return table_plans, width
 
     def _prepare(self):
         modules, optimizers = self._targets()
@@ -365,19 +403,33 @@ class CompiledTrainStep:
         if entry is None:
             gm, report, out_info = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
                                                plans, states, hparams, flat, args, kwargs)
-            gm = _decompose_remaining_updates(gm, flat)
+            table = None
+            if out_info["table"] is None:
+                gm = _decompose_remaining_updates(gm, flat)
+            else:    # every update reads the table: nothing left to decompose
+                table_plans, width = out_info["table"]
+                table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
             _compat.reset_reinplace_counters()
             # the user's Inductor options first, forge's required settings over them
             with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge():
-                compiled = _compat.compile_fx(gm, flat)
+                compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
             report.notes.extend(_clone_notes())
             entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"])
+            if table is not None:
+                n_static = len(flat) - len(arg_tensors)
+                entry.graph = StepGraph(compiled, range(n_static, len(flat)))
+                entry.table, entry.table_plans = table, tuple(table_plans)
             self._cache[key] = entry
             self.compile_count += 1
             counters["compiles"] += 1
             log.info("forge: compiled train step\n%s", report)
         self.last_report = entry.report
-        outs = entry.fn(*flat)
+        if entry.graph is None:
+            outs = entry.fn(*flat)
+        else:
+            fill_table(entry.table, [(plans[i][1].rule, _scalar_states(plans[i][1].rule, states[i]), hparams[i])
+                                     for i in entry.table_plans])
+            outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
         outs = list(outs)
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
@@ -408,6 +460,10 @@ class CompiledTrainStep:
                 if not existed:
                     opt.state.pop(p, None)
         return report
+
+
+def _scalar_states(rule, states) -> list:
+    return [s for j, s in enumerate(states) if rule.is_scalar_state(j)]
 
 
 def _clone_notes():
@@ -445,11 +501,20 @@ def _decompose_remaining_updates(gm, flat):
     return _compat.make_fx(lambda *a: interp.run(*a), decomposition_table=table, tracing_mode="fake")(*flat)
 
 
-def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None):
+def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
+                       cuda_graphs=False):
     """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
     into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
-    options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``)."""
-    kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options)
+    options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``).
+
+    ``cuda_graphs=True``: after two eager steps the step is captured once and replayed as a CUDA graph (the host
+    then writes one table of step-dependent scalars per step; step_graph.py). Every optimizer update -- fused or
+    not -- then runs forge's generated update kernel (bitwise eager torch.optim's math), parameters, buffers and
+    states must stay the same tensors (replacing one captures again), and the batch is copied into static
+    buffers. Where a step cannot be replayed (random numbers, CPU inputs, a rule without a generated kernel) it
+    runs as without the option and ``last_report`` says why."""
+    kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
+              cuda_graphs=cuda_graphs)
     if fn is None:
         return lambda f: CompiledTrainStep(f, **kw)
     return CompiledTrainStep(fn, **kw)

@@ -116,7 +116,8 @@ def test_split_states_and_table_checks():
     ep = compile_epilogue(rule, "cuda")
     good = torch.zeros(ep.n_kernel_scalars)
     check_table(ep, good, w)
-    for bad in (good.double(), torch.zeros(ep.n_kernel_scalars + 1), torch.zeros(2 * ep.n_kernel_scalars)[::2],
+    check_table(ep, torch.zeros(ep.n_kernel_scalars + 2), w)      # a row of a wider table: extra columns unread
+    for bad in (good.double(), torch.zeros(ep.n_kernel_scalars - 1), torch.zeros(2 * ep.n_kernel_scalars)[::2],
                 good.view(1, -1), [0.0] * ep.n_kernel_scalars):
         with pytest.raises(ValueError, match="fp32 scalars"):
             check_table(ep, bad, w)
@@ -232,7 +233,7 @@ def test_cuda_table_through_launch_memo(kernel, monkeypatch):
     if kernel == "gluon" and not (torch.cuda.get_device_capability() == (9, 0) and wg.gluon_available()):
         pytest.skip("needs an sm_90 GPU with gluon")
     monkeypatch.setenv(wg.ENV, kernel)
-    monkeypatch.setitem(launch_memo.ENABLED, 0, True)
+    launch_memo.ENABLED[0] = True
     launch_memo.clear()
     rule = R.adamw_rule()
     w, dy_t, x, states, hp = _make(rule, 1024, 512, 256, "cuda")

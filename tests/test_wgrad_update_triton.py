@@ -9,6 +9,7 @@ is asserted where it is provable: the rule applied eagerly to the dW the kernel 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -19,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
 from forge_compile.optim.rule import Rule, register_rule  # noqa: E402
@@ -116,24 +118,6 @@ def _check_against_reference(rule, n, k, m, dtype, device, tol):
         torch.testing.assert_close(s, r, rtol=tol, atol=tol)
 
 
-class _CorrectlyRoundedSqrt(torch.overrides.TorchFunctionMode):
-    """torch's CPU fp32 sqrt is not correctly rounded on this AVX-512 build (~1 % of elements 1 ulp off
-    np.sqrt, measured), while the interpreter's sqrt_rn is numpy's IEEE sqrt and CUDA's (prec-sqrt) is
-    IEEE too. For the CPU exactness test, eager sqrt is computed in fp64 and rounded (exact for fp32)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.sqrt, torch.Tensor.sqrt) and args[0].dtype == torch.float32:
-            return torch.sqrt(args[0].double()).float()
-        return func(*args, **kwargs)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def _check_exact(rule, n, k, m, dtype, device, config=None):
     w, dy_t, x, states, hp = _make(rule, n, k, m, dtype, device, seed=1)
     w_e, st_e = _clone(w, states)
@@ -147,7 +131,7 @@ def _check_exact(rule, n, k, m, dtype, device, config=None):
     assert not grad.isnan().any()
     ref = dy_t.double() @ x.double()
     assert ((grad.double() - ref).norm() / ref.norm()).item() < 1e-5
-    with torch.no_grad(), (_CorrectlyRoundedSqrt() if device == "cpu" else _nullcontext()):
+    with torch.no_grad(), (CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext()):
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} of {w.numel()} elements"
     for s, e in zip(states, st_e):

@@ -1,3 +1,4 @@
+from . import rule_update as _rule_update  # noqa: F401  (registers forge::rule_update_)
 from .wgrad_update import reference_wgrad_update, wgrad_update
 
 __all__ = ["epilogue_supported", "reference_wgrad_update", "wgrad_update"]

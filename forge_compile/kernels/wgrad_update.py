@@ -27,7 +27,7 @@ from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["wgrad_update", "reference_wgrad_update", "cpu_block_shape"]
+__all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape"]
 
 
 def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
@@ -58,13 +58,17 @@ def _interpret_on_cpu() -> bool:
 
 def _check(weight, dy_t, x, states, rule_name):
     rule = get_rule(rule_name)
+    _check_shapes(weight, dy_t, x)
+    if len(states) != len(rule.states):
+        raise ValueError(f"wgrad_update: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
+
+
+def _check_shapes(weight, dy_t, x):
     n, k = weight.shape
     if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
         raise ValueError(
             f"wgrad_update: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x {tuple(x.shape)} do not compose"
         )
-    if len(states) != len(rule.states):
-        raise ValueError(f"wgrad_update: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
 
 
 # Registered with torch.library.Library, not torch.library.custom_op: custom_op's Python autograd and
@@ -96,4 +100,37 @@ _LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
 def _(weight, dy_t, x, states, hparams, rule):
+    return None
+
+
+# The same update with the rule's scalars read from a device table row (``forge::wgrad_update_table_``): states are
+# the rule's tensor states only, no hyper-parameters, no scalar state -- nothing the host changes between steps,
+# so a CUDA graph may capture it (compile_train_step(cuda_graphs=True) writes the table before each replay).
+# ``scalars``: ``wgrad_update_triton.rule_scalars``'s values as fp32 on the weight's device.
+_LIB.define("wgrad_update_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor scalars, "
+            "str rule) -> ()")
+
+
+def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str) -> None:
+    from .rule_update import interpreting_on_cpu
+
+    if not weight.is_cuda and not interpreting_on_cpu():
+        raise RuntimeError("forge::wgrad_update_table_ runs on CUDA tensors (on CPU only under Triton's "
+                           "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
+    _check_shapes(weight, dy_t, x)
+    from .wgrad_update_triton import launch_wgrad_update
+
+    launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), table=scalars)
+
+
+def wgrad_update_table_(weight, dy_t, x, states, scalars, rule):
+    wgrad_update_table(weight, dy_t, x, states, scalars, rule)
+    torch.autograd.graph.increment_version([weight, *states])
+
+
+_LIB.impl("wgrad_update_table_", wgrad_update_table_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_table_", lib=_LIB)
+def _(weight, dy_t, x, states, scalars, rule):
     return None

@@ -447,9 +447,10 @@ def split_states(rule: Rule, states, table=None):
 
 
 def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor) -> None:
-    """A scalar-table row must hold the rule's kernel scalars as fp32 on the weight's device."""
+    """A scalar-table row must hold the rule's kernel scalars as fp32 on the weight's device (first in the row: a
+    table shared by several rules is as wide as the widest)."""
     if (not isinstance(table, torch.Tensor) or table.dtype != torch.float32 or table.dim() != 1
-            or table.numel() != ep.n_kernel_scalars or table.stride(0) != 1 or table.device != weight.device):
+            or table.numel() < ep.n_kernel_scalars or table.stride(0) != 1 or table.device != weight.device):
         got = (f"{table.dtype} {list(table.shape)} on {table.device}" if isinstance(table, torch.Tensor)
                else type(table).__name__)
         raise ValueError(f"forge: rule {ep.rule_name!r} reads {ep.n_kernel_scalars} fp32 scalars from a contiguous "

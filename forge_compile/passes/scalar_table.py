@@ -1,0 +1,153 @@
+"""Make a whole-step graph replayable as a CUDA graph: every update reads its host scalars from one device table.
+
+Why: a captured CUDA graph replays the kernel arguments of the capture. The step's updates take values that change
+at every step -- the step counter, lr from a scheduler, SGD's first-step dampening -- as host scalars (the fused
+op's launch arguments; the decomposed rules' 0-dim CPU tensors, which Inductor passes to its kernels as values).
+Here each update instead reads the rule's kernel scalars (``rule_scalars``: bitwise what the host computes for a
+normal launch) from a row of one fp32 table on the device, which the step's runtime rewrites before every replay:
+- ``forge::wgrad_update_(w, dy_t, x, states, hparams, rule)`` -> ``forge::wgrad_update_table_(w, dy_t, x,
+  tensor_states, table[row], rule)``;
+- ``forge::apply_rule_(p, g, states, hparams, rule)`` (left unfused) -> ``forge::rule_update_(p, g,
+  tensor_states, table[row], rule)``: the rule's generated epilogue on the materialized gradient, bitwise eager
+  ``rule.fn`` (kernels/rule_update.py) -- not the decomposed rule Inductor would compile.
+Row ``i`` belongs to optimizer plan ``i`` (the capture's plan order); the scalar states are then advanced by the
+runtime, not the graph. ``graph_replay_blocker`` says why a graph cannot be replayed (nothing is rewritten then).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
+from ..optim.rule import get_rule
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width"]
+
+counters: Counter = Counter()
+
+_APPLY = torch.ops.forge.apply_rule_.default
+_FUSED = torch.ops.forge.wgrad_update_.default
+# random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones
+_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+           "native_dropout", "normal", "normal_", "uniform_", "exponential_", "multinomial", "randperm",
+           "inductor_seeds", "inductor_random", "philox_rand"}
+
+
+def _meta(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _updates(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_APPLY, _FUSED)]
+
+
+def _states_hparams(n):
+    # apply_rule_(param, grad, states, hparams, rule); wgrad_update_(weight, dy_t, x, states, hparams, rule)
+    return (n.args[2], n.args[3]) if n.target is _APPLY else (n.args[3], n.args[4])
+
+
+def table_width(rules) -> int:
+    """Columns of the table: the most kernel scalars any of the rules takes (at least one)."""
+    from ..kernels.epilogue_codegen import compile_epilogue
+
+    return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules])
+
+
+def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "cuda") -> Optional[str]:
+    """Why this rewritten step graph cannot read all its per-step values from a table and be replayed on
+    ``device``, or None. ``scalar_inputs``: the placeholders of scalar states and hyper-parameters (the table
+    replaces them)."""
+    from ..kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+            if name in _RANDOM:
+                return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
+    for n in _updates(gm):
+        rule = get_rule(n.args[-1])
+        try:
+            compile_epilogue(rule, "cuda")
+        except EpilogueUnsupported as e:
+            return f"rule {rule.name!r} has no generated update kernel: {e}"
+        if n.target is _APPLY:
+            p, g = _meta(n.args[0]), _meta(n.args[1])
+            if p is None or g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or p.shape != g.shape:
+                return (f"an unfused update of a {getattr(p, 'dtype', '?')} parameter with a "
+                        f"{getattr(g, 'dtype', '?')} gradient (the graphed update takes fp32 both)")
+            if not p.is_contiguous():
+                return "an unfused update of a non-contiguous parameter"
+        for i, s in enumerate(_states_hparams(n)[0]):
+            if not rule.is_scalar_state(i):
+                sv = _meta(s)
+                if sv is None or sv.dtype != torch.float32 or not sv.is_contiguous():
+                    return f"state {rule.states[i]!r} is not a contiguous fp32 tensor"
+    updates = set(_updates(gm))
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or n in scalar_inputs or not n.users:
+            continue
+        v = _meta(n)
+        if isinstance(v, torch.Tensor) and v.device.type != device:
+            return f"graph input {n.name} is on {v.device} (a CUDA graph replays {device} work only)"
+    for ph in scalar_inputs:
+        others = [u for u in ph.users if u not in updates]
+        if others:
+            return f"the step reads the optimizer value {ph.name} outside its update (by {others[0].target})"
+    return None
+
+
+def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
+    """Rewrite every update of ``gm`` to read its scalars from one row of a new last placeholder
+    ``forge_scalar_table`` (fp32 [rows, width]). ``plan_of`` maps each scalar-state, tensor-state and
+    hyper-parameter placeholder to its optimizer plan. Call only when ``graph_replay_blocker`` returned None.
+    Returns ``(plans, width)``: row r of the table belongs to plan ``plans[r]`` (plans whose parameter is
+    updated in this graph, in graph order)."""
+    graph = gm.graph
+    updates = _updates(gm)
+    plan_rows: dict = {}
+    for n in updates:
+        states, hparams = _states_hparams(n)
+        keys = [h for h in hparams if h in plan_of] + [s for s in states if s in plan_of]
+        if not keys:
+            raise RuntimeError(f"forge: no optimizer plan for the update of {n.args[0]}")
+        plan_rows.setdefault(plan_of[keys[0]], len(plan_rows))
+    width = table_width({get_rule(n.args[-1]) for n in updates})
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        table = graph.placeholder("forge_scalar_table")
+    fake = next((v for v in map(_meta, placeholders) if isinstance(v, torch.Tensor)), None)
+    if fake is not None:
+        # the table's fake value, for passes and Inductor that read node.meta["val"]
+        table.meta["val"] = fake.new_empty((len(plan_rows), width), dtype=torch.float32)
+    for n in updates:
+        rule = get_rule(n.args[-1])
+        states, hparams = _states_hparams(n)
+        key = ([h for h in hparams if h in plan_of] + [s for s in states if s in plan_of])[0]
+        row = plan_rows[plan_of[key]]
+        tensor_states = [s for i, s in enumerate(states) if not rule.is_scalar_state(i)]
+        with graph.inserting_before(n):
+            sel = graph.call_function(aten.select.int, (table, 0, row))
+            if fake is not None:
+                sel.meta["val"] = table.meta["val"][row]
+            if n.target is _FUSED:
+                w, dy_t, x = n.args[:3]
+                new = graph.call_function(torch.ops.forge.wgrad_update_table_.default,
+                                          (w, dy_t, x, tensor_states, sel, rule.name))
+                new.meta["forge"] = "wgrad_update"
+            else:
+                p, g = n.args[:2]
+                new = graph.call_function(torch.ops.forge.rule_update_.default,
+                                          (p, g, tensor_states, sel, rule.name))
+        new.meta["val"] = None
+        counters["fused" if n.target is _FUSED else "unfused"] += 1
+        graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return list(plan_rows), width

@@ -1,0 +1,123 @@
+"""Replay a compiled train step as one CUDA graph (``compile_train_step(cuda_graphs=True)``).
+
+Why: at fine-tuning batch sizes the forge routes are host-bound (benchmarks/RESULTS.md, e2e runs 7-9: ~370 kernel
+launches per step from Python, the GPU idle between them) although they need less GPU time than the baseline.
+Replayed, a step costs the host one table write and one graph launch.
+
+What makes a replay exact: the step graph reads everything that changes between steps from tensors whose
+addresses do not change -- the parameters, buffers and optimizer states themselves, the batch through static
+copies, and the per-step host scalars through a device table (passes/scalar_table.py) that ``fill_table`` writes
+before each replay, exactly as the host would compute them for a normal launch. If any of those tensors is
+replaced (``load_state_dict``, a user's assignment), the step is captured again; outputs are cloned, since a
+replay rewrites the captured ones.
+
+``StepGraph`` runs ``warmup`` calls eagerly first (compilation, autotuning and launch-memo entries happen there,
+outside any capture), then captures once and replays. A failed capture leaves it running eagerly (logged, and
+the reason kept in ``disabled``), which is exact too: the table path is the same computation.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepGraph", "fill_table", "counters", "GRAPH_DEVICE", "RECORDER"]
+
+counters: Counter = Counter()
+
+# The device whose work a graph replays, and how a step is recorded. Tests of the runtime on CPU set "cpu" and a
+# recorder that re-runs the step at each replay (the CUDA recorder records without running).
+GRAPH_DEVICE = ["cuda"]
+
+
+def cuda_graph_recorder(fn, args):
+    """Capture ``fn(*args)`` into a CUDA graph: (replay, outputs); the outputs are rewritten at each replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = list(fn(*args))
+    return graph.replay, outs
+
+
+RECORDER = [cuda_graph_recorder]
+
+
+class StepGraph:
+    """One compiled step (``fn(*flat)``, the scalar table its last input) replayed as a graph. ``arg_idx``: the
+    positions of the batch tensors (copied into static buffers at each call)."""
+
+    def __init__(self, fn, arg_idx, warmup: int = 2, recorder=None):
+        self.fn = fn
+        self.arg_idx = list(arg_idx)
+        self._args = set(self.arg_idx)
+        self.warmup = warmup
+        self.recorder = recorder or RECORDER[0]
+        self.calls = 0
+        self.replay = None
+        self.outputs = None
+        self.static = None
+        self.ptrs = None
+        self.disabled = None         # why this step runs eagerly for good (a failed capture)
+
+    def _pointers(self, flat) -> tuple:
+        dev = GRAPH_DEVICE[0]
+        return tuple([t.data_ptr() for i, t in enumerate(flat)
+                      if i not in self._args and isinstance(t, torch.Tensor) and t.device.type == dev])
+
+    def __call__(self, flat) -> list:
+        if self.disabled is not None:
+            return list(self.fn(*flat))
+        if self.replay is not None:
+            if self._pointers(flat) == self.ptrs:
+                for i in self.arg_idx:
+                    self.static[i].copy_(flat[i], non_blocking=True)
+                self.replay()
+                counters["replays"] += 1
+                return [o.clone() for o in self.outputs]
+            log.info("forge: a parameter, buffer or optimizer state of the graphed step was replaced; capturing again")
+            counters["recaptures"] += 1
+            self.replay = self.outputs = self.static = None
+        self.calls += 1
+        if self.calls <= self.warmup:
+            counters["eager"] += 1
+            return list(self.fn(*flat))
+        static = list(flat)
+        for i in self.arg_idx:
+            static[i] = flat[i].clone()
+        try:
+            replay, outputs = self.recorder(self.fn, static)
+        except Exception as e:   # nothing ran: the step goes on eagerly (the same computation)
+            self.disabled = f"CUDA graph capture failed: {type(e).__name__}: {str(e)[:300]}"
+            log.warning("forge: %s; the step runs without a graph from now on", self.disabled)
+            counters["capture_failed"] += 1
+            return list(self.fn(*flat))
+        self.static, self.replay, self.outputs, self.ptrs = static, replay, outputs, self._pointers(flat)
+        counters["captures"] += 1
+        self.replay()
+        counters["replays"] += 1
+        return [o.clone() for o in self.outputs]
+
+
+def fill_table(table: torch.Tensor, items) -> None:
+    """Write one step's scalars into ``table`` (fp32 [rows, width] on the device) and advance the scalar states.
+    ``items``: per row ``(rule, scalar_states, hparams)`` -- the values are ``rule_scalars``', bitwise what the
+    host passes a normal launch; the states advance as a normal launch advances them."""
+    from .kernels.wgrad_update_triton import rule_scalars
+
+    width = table.shape[1]
+    target = "cuda" if table.is_cuda else "interpret"     # the kernels' scalars differ by target (division)
+    rows = []
+    for rule, scalar_states, hparams in items:
+        values, new = rule_scalars(rule, scalar_states, hparams, target)
+        rows.append(list(values) + [0.0] * (width - len(values)))
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+    host = torch.tensor(rows, dtype=torch.float32)
+    if table.is_cuda:
+        # pinned + non_blocking: stream-ordered before the replay, no host wait; the caching host allocator keeps
+        # the pinned block until the copy has run
+        table.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        table.copy_(host)

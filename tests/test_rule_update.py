@@ -1,0 +1,140 @@
+"""``forge::rule_update_``: the rule's generated epilogue applied to an existing gradient, scalars from a table row.
+
+Spec: bitwise what eager ``rule.apply`` does to the same parameter, gradient and states (on CUDA; on CPU through
+Triton's interpreter against eager CPU torch with a correctly rounded sqrt, as for the fused kernel), the scalar
+states left to the caller (``rule_scalars`` says where they go).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from models import CorrectlyRoundedSqrt  # noqa: E402
+from forge_compile.kernels import rule_update as ru  # noqa: E402
+from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
+from forge_compile.kernels.wgrad_update_triton import rule_scalars, split_states  # noqa: E402
+from forge_compile.optim import rules as R  # noqa: E402
+
+RULES = [R.adamw_rule(), R.adam_rule(amsgrad=True, weight_decay=True), R.sgd_rule(),
+         R.sgd_rule(momentum=True, nesterov=True, weight_decay=True), R.lion_rule(),
+         R.rmsprop_rule(centered=True, momentum=True), R.adagrad_rule(weight_decay=True)]
+_HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.9,
+       "dampening": 0.1, "alpha": 0.99, "lr_decay": 0.01}
+SHAPES = [(3000,), (67, 45), (2, 3, 1031)]     # 1-D with a ragged last block, 2-D, 3-D
+
+
+def _make(rule, shape, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(shape, generator=gen)
+    g = torch.randn(shape, generator=gen)
+    states = []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            states.append(torch.tensor(3.0 + seed))
+        else:
+            scale = 0.01 if name == "grad_avg" else 0.1
+            states.append((torch.rand(shape, generator=gen) * scale + 0.05 * (scale == 0.1)).to(device))
+    hp = [torch.tensor(_HP.get(h, 0.01), dtype=torch.float64) for h in rule.hparams]
+    return p.to(device), g.to(device), states, hp
+
+
+def _check(rule, shape, device, target):
+    p, g, states, hp = _make(rule, shape, device)
+    p_e, st_e = p.clone(), [s.clone() for s in states]
+    tensor_states, scalar_states = split_states(rule, states)
+    values, new = rule_scalars(rule, scalar_states, hp, target)
+    row = torch.tensor(values, dtype=torch.float32, device=device)
+    before = [s.item() for s in scalar_states]
+    torch.ops.forge.rule_update_(p, g, tensor_states, row, rule.name)
+    with torch.no_grad(), (CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext()):
+        rule.apply(p_e, g, st_e, hp)
+    assert torch.equal(p, p_e), f"param differs in {(p != p_e).sum().item()} of {p.numel()} elements"
+    for a, b in zip(tensor_states, split_states(rule, st_e)[0]):
+        assert torch.equal(a, b), f"state differs in {(a != b).sum().item()} elements"
+    assert [s.item() for s in scalar_states] == before                  # the caller's part
+    assert [s.item() for s in split_states(rule, st_e)[1]] == [float(v) for v in new]
+
+
+# ---- CPU --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_source_renders_and_reads_every_scalar(rule):
+    import ast
+
+    ep = compile_epilogue(rule, "cuda")
+    src = ru.render_rule_update_source(ep)
+    ast.parse(src)
+    for i in range(ep.n_kernel_scalars):
+        assert f"c{i} = tl.load(SCAL + {i})" in src
+
+
+def test_refuses_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("FORGE_TRITON_CPU", raising=False)
+    rule = R.sgd_rule(momentum=True)
+    p, g, states, hp = _make(rule, (8,), "cpu")
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        torch.ops.forge.rule_update_(p, g, states, torch.zeros(3), rule.name)
+
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_interpreter_tests_in_subprocess():
+    if INTERPRETING:
+        pytest.skip("this session interprets: the interpreter tests run directly")
+    import numpy as np
+
+    if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
+        pytest.skip(f"triton 3.6's interpreter breaks with numpy>=2.4 (found {np.__version__})")
+    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_TRITON_CPU="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    if not INTERPRETING:
+        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
+    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_interpreter_same_as_eager_rule(interpret, rule, shape):
+    _check(rule, shape, "cpu", "interpret")
+
+
+def test_interpreter_refuses_mismatched_inputs(interpret):
+    rule = R.adamw_rule()
+    p, g, states, hp = _make(rule, (16, 8), "cpu")
+    tensor_states = split_states(rule, states)[0]
+    row = torch.zeros(compile_epilogue(rule, "interpret").n_kernel_scalars)
+    p0 = p.clone()
+    for bad_p, bad_g, bad_st, bad_row, match in [
+            (p, g.double(), tensor_states, row, "gradient"),
+            (p, g[:, :4], tensor_states, row, "gradient"),
+            (p, g, tensor_states[:1], row, "tensor states"),
+            (p, g, tensor_states, row[:-1], "fp32 scalars")]:
+        with pytest.raises(ValueError, match=match):
+            ru.launch_rule_update(bad_p, bad_g, bad_st, bad_row, rule)
+    assert torch.equal(p, p0)
+
+
+# ---- CUDA -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 4096)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_cuda_same_as_eager_rule(rule, shape):
+    _check(rule, shape, "cuda", "cuda")
