@@ -16,6 +16,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   backend   torch.compile(model, backend="forge", dynamic=False, options={"optimizer": opt}) + opt.step()
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
+  step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
+  baseline_graphs  (only with --routes) the baseline with torch.compile(mode="reduce-overhead") (Inductor's CUDA
+                   graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
 The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
 UnsupportedOptimizerError for it.
 
@@ -65,9 +68,10 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "eager", "step", "backend")       # known routes, in table order
+ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "backend")   # known routes, table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
-FORGE_ROUTES = ("step", "backend")
+FORGE_ROUTES = ("step", "step_graphs", "backend")
+STEP_ROUTES = ("step", "step_graphs")          # compile_train_step: one graph, no .grad
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -170,7 +174,7 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
 def make_step(route, wl, opt, autocast, inductor_options=None):
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route."""
     io = dict(inductor_options or {})
-    if route == "step":
+    if route in STEP_ROUTES:
         import forge_compile as forge
 
         def body(x, y):
@@ -180,13 +184,17 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-        return forge.compile_train_step(body, models=wl, optimizers=opt, options=io), None
+        return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
+                                        cuda_graphs=route == "step_graphs"), None
 
     if route == "backend":
         import forge_compile  # noqa: F401  (registers backend="forge")
         cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **io})
     elif route == "baseline":
         cm = torch.compile(wl, dynamic=False, options=io or None)
+    elif route == "baseline_graphs":
+        # mode= and options= exclude each other in torch.compile: the CUDA graphs as the Inductor option
+        cm = torch.compile(wl, dynamic=False, options={"triton.cudagraphs": True, **io})
     elif route == "eager":
         # no compiler: how far two correct bf16 executions of the same step drift apart (the loss check's scale)
         cm = wl
@@ -194,9 +202,15 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
         raise ValueError(route)
     probe = {"on": False, "grad_bytes": None}
 
+    graphs = route == "baseline_graphs"
+
     def train_step(x, y):
+        if graphs:     # a new iteration for Inductor's CUDA-graph trees (the last one's outputs may be reused)
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             loss = cm(x, y)
+            if graphs:
+                loss = loss.clone()     # the graph's output buffer is rewritten by the next replay
         loss.backward()
         if probe["on"]:      # the gradients alive when opt.step() starts (host-side metadata only)
             probe["grad_bytes"] = sum(p.grad.nbytes for g in opt.param_groups for p in g["params"]
@@ -209,7 +223,7 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
 
 def fusion_rows(route, step):
     """forge's report rows as dicts ([] for the baseline)."""
-    if route == "step":
+    if route in STEP_ROUTES:
         reports = [step.last_report] if step.last_report is not None else []
     elif route == "backend":
         from forge_compile import backend
@@ -384,7 +398,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
     res["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     res["state_bytes"] = sum(t.nbytes for st in opt.state.values() for t in st.values()
                              if isinstance(t, torch.Tensor) and t.device.type == device.type)
-    if route == "step":    # no .grad ever exists; the graph still holds the unfused parameters' dW
+    if route in STEP_ROUTES:    # no .grad ever exists; the graph still holds the unfused parameters' dW
         res["grad_bytes"] = sum(p.nbytes for n, p in params.items() if n not in fused_params)
         res["grad_bytes_how"] = "unfused parameters' sizes (from forge's report)"
     else:
@@ -544,7 +558,7 @@ def _memo_counters():
 def _compile_count(route, step):
     """Compilations in this process (more than one: a recompile happened after the first step)."""
     try:
-        if route == "step":
+        if route in STEP_ROUTES:
             return step.compile_count
         from torch._dynamo.utils import counters
         return int(counters["stats"]["unique_graphs"])

@@ -59,12 +59,17 @@ class StepGraph:
         self.outputs = None
         self.static = None
         self.ptrs = None
+        self.ptr_idx = None          # positions of the device tensors whose addresses the capture baked in
         self.disabled = None         # why this step runs eagerly for good (a failed capture)
 
-    def _pointers(self, flat) -> tuple:
+    def _pointer_idx(self, flat) -> list:
         dev = GRAPH_DEVICE[0]
-        return tuple([t.data_ptr() for i, t in enumerate(flat)
-                      if i not in self._args and isinstance(t, torch.Tensor) and t.device.type == dev])
+        return [i for i, t in enumerate(flat)
+                if i not in self._args and isinstance(t, torch.Tensor) and t.device.type == dev]
+
+    def _pointers(self, flat) -> tuple:
+        # every call: a few hundred tensors, so only the positions found at capture are read
+        return tuple([flat[i].data_ptr() for i in self.ptr_idx])
 
     def __call__(self, flat) -> list:
         if self.disabled is not None:
@@ -93,6 +98,7 @@ class StepGraph:
             log.warning("forge: %s; the step runs without a graph from now on", self.disabled)
             counters["capture_failed"] += 1
             return list(self.fn(*flat))
+        self.ptr_idx = self._pointer_idx(flat)
         self.static, self.replay, self.outputs, self.ptrs = static, replay, outputs, self._pointers(flat)
         counters["captures"] += 1
         self.replay()
