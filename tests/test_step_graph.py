@@ -201,15 +201,19 @@ def test_interpreter_replayed_step_is_the_eager_table_step(cpu_graphs, make_opt)
     assert st["step"].item() == 6 if "step" in st else "momentum_buffer" in st
 
 
-def test_interpreter_replayed_step_follows_eager_torch_optim(cpu_graphs):
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    # a fresh momentum buffer: torch.optim's first step copies the gradient (forge: dampening 0 that step)
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5)], ids=["adamw", "sgd_dampening"])
+def test_interpreter_replayed_step_follows_eager_torch_optim(cpu_graphs, make_opt):
     # the graphed step against plain eager training; not bitwise: the fused kernels sum dW in tiles (another
     # order than torch.mm) -- the per-update exactness is tested in test_rule_update / test_wgrad_update_table
     sg.RECORDER[0] = _rerun_recorder
     torch.manual_seed(0)
     m1 = MLP()
     m2 = copy.deepcopy(m1)
-    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
-    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    o1 = make_opt(m1.parameters())
+    o2 = make_opt(m2.parameters())
     batches = _batches(5, (8, 16), (8, 8), "cpu")
     _train(m1, o1, True, batches)
     for x, y in batches:
@@ -236,6 +240,38 @@ def test_interpreter_block_model(cpu_graphs):
     (m1, o1, l1), (m2, o2, l2) = _pair(make, model_fn=lambda: Block(32), n=4, shape=((2, 8, 32), (2, 8, 32)))
     assert sg.counters["replays"] == 2
     assert [a.item() for a in l1] == [b.item() for b in l2]
+    _same_state(m1, o1, m2, o2)
+
+
+def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
+    # clip_grad_norm_ reads every gradient (those updates stay unfused: rule_update on the clipped gradient), a
+    # frozen parameter gets no update and no table row, two groups give two rules (the table is as wide as the
+    # wider one); a fresh SGD momentum buffer starts with dampening 0 (a per-step scalar from the host)
+    def run(recorder):
+        sg.RECORDER[0] = recorder
+        torch.manual_seed(0)
+        model = MLP()
+        model.fc2.bias.requires_grad_(False)
+        opt = torch.optim.SGD([{"params": [model.fc1.weight, model.fc1.bias], "momentum": 0.9, "dampening": 0.5},
+                               {"params": [model.fc2.weight, model.fc2.bias], "momentum": 0.0, "lr": 3e-2}],
+                              lr=1e-2)
+
+        @forge.compile_train_step(cuda_graphs=True)
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        losses = [step(x, y).item() for x, y in _batches(5, (8, 16), (8, 8), "cpu")]
+        return model, opt, losses, step.last_report
+
+    m1, o1, l1, rep = run(_rerun_recorder)
+    m2, o2, l2, _ = run(_failing_recorder)
+    assert any("replayed as one CUDA graph; 3 updates" in n for n in rep.notes), rep.notes
+    assert l1 == l2
     _same_state(m1, o1, m2, o2)
 
 
