@@ -286,10 +286,11 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def make_train_step(route, model, opt, autocast):
-    """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route."""
+def make_train_step(route, model, opt, autocast, cuda_graphs=False):
+    """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route (``cuda_graphs``:
+    route step replayed as one CUDA graph)."""
     if route == "step":
-        @forge.compile_train_step
+        @forge.compile_train_step(cuda_graphs=cuda_graphs)
         def train_step(x, y):
             with autocast():
                 loss = lm_loss(model(x), y)
@@ -426,7 +427,7 @@ def train(args):
              model_name(args), args.size, n_params / 1e6, args.route, device,
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
-    train_step = make_train_step(args.route, model, opt, autocast)
+    train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -619,6 +620,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="route step: replay the step as one CUDA graph (compile_train_step(cuda_graphs=True))")
     p.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.optim.AdamW(fused=True) (default: on CUDA only)")
     p.add_argument("--untimed-steps", type=int, default=3,
