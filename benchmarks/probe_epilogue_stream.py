@@ -400,24 +400,11 @@ def prepare(spec: Spec, w, m, v, sms: int):
 # --compile-only (CPU): sm_90 compile with a stub driver, ptxas -v
 
 def compile_only(specs, n=1024, k=1024, sms=132):
-    from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.runtime import driver
 
-    class _Stub:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
+    from compile_sm90 import stub_driver
 
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    driver.set_active(_Stub())
+    stub_driver()
     ptxas = get_ptxas(90).path
     rows, failed = [], []
     for spec in specs:

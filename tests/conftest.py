@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def interpret(monkeypatch):
+    """For tests named *interpreter*: they run only in the interpreter child (tests/interpreter.py)."""
+    from interpreter import INTERPRETING
+
+    if not INTERPRETING:
+        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
+    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
+
+
+@pytest.fixture
 def count_slow_reads(monkeypatch):
     """Counts translate.prepare_states/hparam_values calls: the slow reads of optim/state_cache.py, which
     both forge routes go through (the cache looks them up in translate at each call)."""

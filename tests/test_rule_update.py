@@ -7,15 +7,13 @@ states left to the caller (``rule_scalars`` says where they go).
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from interpreter import run_child  # noqa: E402
 from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels import rule_update as ru  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
@@ -83,30 +81,10 @@ def test_refuses_cpu_without_interpreter(monkeypatch):
         torch.ops.forge.rule_update_(p, g, states, torch.zeros(3), rule.name)
 
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETING:
-        pytest.skip("this session interprets: the interpreter tests run directly")
-    import numpy as np
-
-    if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"triton 3.6's interpreter breaks with numpy>=2.4 (found {np.__version__})")
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_TRITON_CPU="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout
+    run_child(__file__)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    if not INTERPRETING:
-        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
-    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -9,9 +9,6 @@ Triton's interpreter); on a GPU with real CUDA graphs.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ pytest.importorskip("triton")
 
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
+from interpreter import run_child  # noqa: E402
 from models import MLP, Block  # noqa: E402
 
 
@@ -128,23 +126,8 @@ def test_step_graph_runtime_order():
 
 # ---- interpreter child: the table ops on CPU, a recorder that re-runs the step at each replay ------------------
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETING:
-        pytest.skip("this session interprets: the interpreter tests run directly")
-    import numpy as np
-
-    if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"triton 3.6's interpreter breaks with numpy>=2.4 (found {np.__version__})")
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_TRITON_CPU="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout
+    run_child(__file__, timeout=900)
 
 
 def _rerun_recorder(fn, args):
@@ -160,10 +143,7 @@ def _failing_recorder(fn, args):
 
 
 @pytest.fixture
-def cpu_graphs(monkeypatch):
-    if not INTERPRETING:
-        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
-    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
+def cpu_graphs(interpret):
     sg.GRAPH_DEVICE[0] = "cpu"
     sg.counters.clear()
     yield

@@ -8,14 +8,13 @@ against eager host-scalar launches over steps whose lr and step change.
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from interpreter import run_child  # noqa: E402
 
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
@@ -143,30 +142,10 @@ def test_rule_scalars_are_the_host_launch_scalars(rule):
 
 # ---- interpreter (child process with TRITON_INTERPRET=1, as in test_wgrad_update_triton) --------------------
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETING:
-        pytest.skip("this session interprets: the interpreter tests run directly")
-    import numpy as np
-
-    if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"triton 3.6's interpreter breaks with numpy>=2.4 (found {np.__version__})")
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_TRITON_CPU="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout
+    run_child(__file__)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    if not INTERPRETING:
-        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
-    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
 
 
 @pytest.mark.parametrize("config", ["interp", "interp_tma_e2", "interp_p2e4"])

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from interpreter import run_child  # noqa: E402
 from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
@@ -140,33 +138,11 @@ def _check_exact(rule, n, k, m, dtype, device, config=None):
 
 # ---- interpreter on CPU ------------------------------------------------------------------------------
 
-# TRITON_INTERPRET must be set before triton is imported (triton.language's own @jit helpers such as
-# tl.cdiv are bound at import), and setting it for a whole session would interpret CUDA tests too. So the
-# interpreter tests run in a child pytest with the variable set, unless this session already interprets.
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
+# the tests named *interpreter* run in a child pytest with TRITON_INTERPRET=1 (tests/interpreter.py)
 def test_interpreter_tests_in_subprocess():
-    if INTERPRETING:
-        pytest.skip("this session interprets: the interpreter tests run directly")
-    import numpy as np
-
-    if tuple(int(v) for v in np.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip(f"triton 3.6's interpreter breaks with numpy>=2.4 (found {np.__version__})")
-    env = dict(os.environ, TRITON_INTERPRET="1", FORGE_TRITON_CPU="1")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreter"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout
+    run_child(__file__)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    if not INTERPRETING:
-        pytest.skip("runs in the interpreter child (test_interpreter_tests_in_subprocess)")
-    monkeypatch.setenv("FORGE_TRITON_CPU", "1")
 
 
 SHAPES = [(67, 45, 31), (64, 64, 128)]
