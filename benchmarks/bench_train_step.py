@@ -1008,6 +1008,7 @@ def parse_args(argv):
                    help='Inductor options (JSON) for every compiled route, e.g. \'{"triton.cudagraphs": true}\'')
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="shorthand: adds cpp_wrapper to --inductor-options (host code in C++: cheaper launches)")
+    p.add_argument("--plot", metavar="PNG", help="also plot tokens/s per route and micro-batch (plot_results.py)")
     p.add_argument("--cprofile", action="store_true",
                    help="each run also cProfiles its timed batches once more: --out/runs/<run>.json.cprofile.txt")
     p.add_argument("--repeat", type=int, default=1,
@@ -1093,6 +1094,10 @@ def main(argv=None):
             results.append(runner.run(route, v["largest_mb"], role="verify", min_time=need))
             write()
     summary, text = write()
+    if args.plot:
+        from plot_results import plot_e2e
+
+        print(f"plot: {plot_e2e(json.loads(json.dumps(summary, default=str)), args.plot)}", flush=True)
     print("\n" + text, flush=True)
     print(f"\nwritten: {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'results.md')} "
           f"({time.monotonic() - t_start:.0f} s)", flush=True)

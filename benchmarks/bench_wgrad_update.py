@@ -653,6 +653,7 @@ def main():
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--plot", metavar="PNG", help="also plot the table (benchmarks/plot_results.py)")
     ap.add_argument("--autotune", action="store_true",
                     help="also time FORGE_AUTOTUNE's choice per case (tuned on the case's inputs; table in OUT)")
     args = ap.parse_args()
@@ -831,8 +832,14 @@ def main():
             + (f" {r['tuned_ms']:8.4f} {r['unfused_ms'] / r['tuned_ms']:6.2f} {r['tuned_choice']}" if args.autotune else ""))
     log(f"checks {'OK' if checks_ok else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(dict(rows=rows, checks_ok=checks_ok), f, indent=1)
+        json.dump(dict(rows=rows, checks_ok=checks_ok, meta=meta), f, indent=1)
+    if args.plot:
+        from plot_results import plot_kernel
+
+        log(f"plot: {plot_kernel(dict(rows=rows, meta=meta), args.plot)}")
     with open(os.path.join(args.out, "bench.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -174,7 +174,8 @@ def test_thread_cpu_snapshot_sees_this_thread():
 def test_cpu_smoke_run_of_main(tmp_path, capsys):
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2",
-                          "--warmup", "1", "--iters", "2", "--time-budget", "600", "--cprofile"])
+                          "--warmup", "1", "--iters", "2", "--time-budget", "600", "--cprofile",
+                          "--plot", str(tmp_path / "e2e.png")])
     printed = capsys.readouterr().out
     runs = {r["route"]: r for r in summary["runs"]}
     assert set(runs) == {"baseline", "step", "backend"}
@@ -197,6 +198,7 @@ def test_cpu_smoke_run_of_main(tmp_path, capsys):
             assert all(isinstance(s["frames"], list) for s in r["thread_stacks"])
     rows = {r["route"]: r for r in summary["analysis"]["rows"]}
     assert rows["step"]["loss_ok"] and rows["backend"]["loss_ok"]
+    assert (tmp_path / "e2e.png").stat().st_size > 10_000 and "plot: " in printed
     assert summary["analysis"]["verdicts"]["step"]["correct"] is True
     with open(out / "results.json") as f:
         assert json.load(f)["analysis"]["rows"]
