@@ -1,7 +1,7 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist]
+                                                           splitovl|hoist|math] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -12,7 +12,8 @@ deep vector lookahead, vs the default) time Gluon configs in one process, one li
 bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64..8192 and 14336x4096 M=2048, the
 default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue alone (M=64) vs cuBLAS / torch's
 fused AdamW, bench_overlap.txt. "v12"/"v12b": v12 split configs; "splitovl" (split_overlap_sweep): where the split
-kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split.
+kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split; "math"
+(math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?).
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -51,12 +52,28 @@ from forge_compile.optim import rules as R  # noqa: E402
 
 BW, FLOPS = 4.27e12, 686e12
 FLOPS_FP32 = 67e12   # fp32 FMA (IEEE, no tensor cores): the H200 datasheet figure, not measured here
-HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01)}
+HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01),
+      "adamw_lite": (1e-3, 0.9, 0.999, 1e-8, 0.01)}
 SHAPES3 = [(4096, 4096), (14336, 4096), (4096, 14336)]
 MS = [256, 1024, 2048, 4096, 8192]
 
 
+def _adamw_lite(p, g, m, v, step, lr, beta1, beta2, eps, wd):
+    # AdamW's arrays, states and scalars but not its math: three multiply-adds per element instead of AdamW's
+    # correctly rounded division and square root (the "math or streaming" diagnostic, --cases math)
+    step = step + 1
+    m = m * beta1 + g
+    v = v * beta2 + g
+    p = p * (1 - lr * wd) - lr * m
+    return p, m, v, step
+
+
 def rule_of(kind):
+    if kind == "adamw_lite":
+        from forge_compile.optim.rule import Rule, register_rule
+
+        return register_rule(Rule("bench_adamw_lite", _adamw_lite, states=("exp_avg", "exp_avg_sq", "step"),
+                                  scalar_states=("step",), hparams=("lr", "beta1", "beta2", "eps", "wd")))
     return {"adamw": R.adamw_rule, "sgdm": lambda: R.sgd_rule(momentum=True), "lion": R.lion_rule}[kind]()
 
 
@@ -517,6 +534,47 @@ def hoist_sweep(args, log):
     return all_ok
 
 
+MATH_MS = (64, 256, 1024, 2048)
+
+
+def math_sweep(args, log):
+    """bf16 4096x4096, one process: AdamW vs adamw_lite (the same three arrays and scalars, three multiply-adds per
+    element instead of AdamW's division and square root) through the smem and split kernels and auto's pick, all
+    checked bit-exact vs eager. Equal times: the epilogue warpgroups stream at a rate their math does not limit;
+    adamw_lite clearly faster at small M (where both kernels run at the epilogue's rate): the exact div/sqrt
+    sequences are what the streaming waits on (NOTES_kernel.md, open questions after v12). False when a check
+    failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    cfgs = {"auto": None, "smem": wg.smem_config(), "split": wg.split_config()}
+    for m in MATH_MS:
+        t = {}
+        for kind in ("adamw", "adamw_lite"):
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, 4096, 4096, m, seed=m)
+            for name, c in cfgs.items():
+                ok = check_config(rule, w, dy_t, x, st, hp, None,
+                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                all_ok &= ok
+                t[f"{kind}/{name}"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))
+                if not ok:
+                    log(f"CHECK FAILED: {kind} {name} M={m}")
+            del w, dy_t, x, st
+            torch.cuda.empty_cache()
+        for name in cfgs:
+            t[f"ratio/{name}"] = t[f"adamw/{name}"] / t[f"adamw_lite/{name}"]
+        rows.append((m, t))
+        log(f"4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items()))
+    keys = list(rows[0][1])
+    log("\n" + f"{'M':>6} " + " ".join(f"{k:>17}" for k in keys))
+    for m, t in rows:
+        log(f"{m:>6} " + " ".join(f"{t[k]:>17.4f}" for k in keys))
+    return all_ok
+
+
 # ---- overlap diagnostic: the kernel's GEMM schedule alone (GConfig.epi="gemm") vs the fused kernel, one process ----
 
 OVERLAP_CASES = [(4096, 4096, (64, 256, 1024, 2048, 4096, 8192)), (14336, 4096, (64, 2048))]
@@ -648,7 +706,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
-                                                                 "smem", "overlap", "v12", "v12b", "splitovl", "hoist"])
+                                                                 "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
+                                                                 "math"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -670,10 +729,10 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist"):
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math"):
         ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
-              "hoist": hoist_sweep}[args.cases](args, log)
+              "hoist": hoist_sweep, "math": math_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:
