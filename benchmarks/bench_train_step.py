@@ -1097,7 +1097,8 @@ def main(argv=None):
     if args.plot:
         from plot_results import plot_e2e
 
-        print(f"plot: {plot_e2e(json.loads(json.dumps(summary, default=str)), args.plot)}", flush=True)
+        path = args.plot if os.path.dirname(args.plot) else os.path.join(args.out, args.plot)   # bare name: in --out
+        print(f"plot: {plot_e2e(json.loads(json.dumps(summary, default=str)), path)}", flush=True)
     print("\n" + text, flush=True)
     print(f"\nwritten: {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'results.md')} "
           f"({time.monotonic() - t_start:.0f} s)", flush=True)

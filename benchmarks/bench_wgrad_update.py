@@ -898,7 +898,8 @@ def main():
     if args.plot:
         from plot_results import plot_kernel
 
-        log(f"plot: {plot_kernel(dict(rows=rows, meta=meta), args.plot)}")
+        path = args.plot if os.path.dirname(args.plot) else os.path.join(args.out, args.plot)   # bare name: in --out
+        log(f"plot: {plot_kernel(dict(rows=rows, meta=meta), path)}")
     with open(os.path.join(args.out, "bench.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

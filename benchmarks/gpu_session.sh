@@ -4,7 +4,8 @@
 #   TESTS=...          pytest targets (default: whole suite with .whl carried -- the expecttest wheel --, else the
 #                      kernel test files); TEST_TIMEOUT, TEST_PROCS, TEST_ARGS
 #   LAUNCH=1           bench_launch_overhead.py (host us per fused launch)
-#   BENCH_ARGS=...     bench_wgrad_update.py arguments (default "--cases final"); BENCH=0 skips it; BENCH_TIMEOUT
+#   BENCH_ARGS=...     bench_wgrad_update.py arguments (default "--cases final"); BENCH=0 skips it; BENCH_TIMEOUT;
+#                      BENCH_ARGS2=... a second bench_wgrad_update.py run in the same call (e.g. another --cases)
 #   E2E_ARGS=...       bench_train_step.py arguments (stage skipped when unset); E2E_TIMEOUT
 #   PROFILE_ARGS=...   profile_train_step.py arguments (stage skipped when unset); PROFILE_TIMEOUT
 # Usage (device tool, carry [".whl"]): TESTS="tests/test_x.py" LAUNCH=1 bash benchmarks/gpu_session.sh
@@ -39,9 +40,13 @@ if [ "${BENCH:-1}" = "1" ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_wgrad_update.py --out $OUT ${BENCH_ARGS:---cases final} > $OUT/bench.log 2>&1
   stamp "bench rc=$?"; grep -E "FAILED|failed|Error" $OUT/bench.log | head -20; sed -n '/^ rule/,$p' $OUT/bench.log
 fi
+if [ -n "${BENCH_ARGS2:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_wgrad_update.py --out $OUT ${BENCH_ARGS2} > $OUT/bench2.log 2>&1
+  stamp "bench2 rc=$?"; grep -E "FAILED|failed|Error" $OUT/bench2.log | head -20; tail -12 $OUT/bench2.log
+fi
 if [ -n "${E2E_ARGS:-}" ]; then
   timeout ${E2E_TIMEOUT:-300} python3 benchmarks/bench_train_step.py --out /tmp/e2e ${E2E_ARGS} > $OUT/e2e.log 2>&1
-  stamp "e2e rc=$?"; cp /tmp/e2e/results.md /tmp/e2e/results.json $OUT/ 2>/dev/null
+  stamp "e2e rc=$?"; cp /tmp/e2e/results.md /tmp/e2e/results.json /tmp/e2e/*.png $OUT/ 2>/dev/null
   sed -n '/^| route  *| mb | tokens/,$p' /tmp/e2e/results.md
 fi
 if [ -n "${PROFILE_ARGS:-}" ]; then
