@@ -335,7 +335,8 @@ class CompiledTrainStep:
                 plan_of[placeholders[pos]] = i
                 scalar_inputs.add(placeholders[pos])
                 pos += 1
-        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0])
+        # the placeholders after the hyper-parameters are the step's tensor arguments
+        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]))
         if blocker is not None:
             report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {blocker}")
             log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import forge_compile as forge
 from forge_compile import _compat
-from forge_compile.passes.remat_for_backward import _root, backward_start, remat_for_backward
+from forge_compile.passes.remat_for_backward import view_root, backward_start, remat_for_backward
 from models import MLP
 
 aten = torch.ops.aten
@@ -48,7 +48,7 @@ def test_autocast_weight_copies_and_activations_not_kept_across_backward(monkeyp
     after, _ = _captured_autocast_mlp(monkeypatch, remat=True)
     live_before = _live_across(before, backward_start(before, info["n"]))
     live_after = _live_across(after, backward_start(after, info["n"]))
-    roots = lambda live: {_root(n) for n in live}
+    roots = lambda live: {view_root(n) for n in live}
     casts = lambda live: [n for n in roots(live) if n.target is aten._to_copy.default
                           and n.args[0].op == "placeholder"]
     # Without the pass the bf16 copy of fc2.weight (read again by dX = dY @ W) and the bf16 input

@@ -84,6 +84,32 @@ def test_random_numbers_block_the_graph():
     assert any("random numbers" in n for n in step.last_report.notes), step.last_report.notes
 
 
+def test_step_writing_its_argument_is_not_replayed():
+    # a replay reads a static copy of the batch: an in-place write to an argument would not reach the caller
+    from forge_compile.step_graph import GRAPH_DEVICE
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    @forge.compile_train_step(cuda_graphs=True)
+    def step(x, y):
+        x.mul_(0.5)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    GRAPH_DEVICE[0] = "cpu"
+    try:
+        x, y = _batches(1, (8, 16), (8, 8), "cpu")[0]
+        report = step.explain(x, y)
+    finally:
+        GRAPH_DEVICE[0] = "cuda"
+    assert any("writes to its argument" in n for n in report.notes), report.notes
+
+
 def test_step_graph_runtime_order():
     """StepGraph alone: warm-up calls run the step, then one capture, then replays that read the static batch
     copies and return fresh outputs; a moved static input captures again; a failed capture runs eagerly."""

@@ -29,7 +29,7 @@ from .._compat import OpOverload, op_schema
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["remat_for_backward", "backward_start"]
+__all__ = ["remat_for_backward", "backward_start", "written_args", "view_root"]
 
 counters: Counter = Counter()
 
@@ -56,7 +56,7 @@ def _is_cheap(node: fx.Node) -> bool:
     return torch.Tag.pointwise in t.tags
 
 
-def _written_args(node: fx.Node) -> list:
+def written_args(node: fx.Node) -> list:
     """The nodes a mutating op writes to (schema alias annotations), empty for functional ops."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, OpOverload) or not op_schema(t).is_mutable:
@@ -70,7 +70,7 @@ def _written_args(node: fx.Node) -> list:
     return out
 
 
-def _root(node: fx.Node) -> fx.Node:
+def view_root(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target in _VIEWS | {aten.as_strided.default} and node.args:
         node = node.args[0]
     return node
@@ -104,7 +104,7 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((pos[u] for u in n.users), default=pos[n]) for n in nodes}
-    writes = [(pos[n], _root(w)) for n in nodes for w in _written_args(n)]
+    writes = [(pos[n], view_root(w)) for n in nodes for w in written_args(n)]
 
     def written_before(root: fx.Node, q: int) -> bool:
         return any(p < q and r is root for p, r in writes)
@@ -116,7 +116,7 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
         if depth > _MAX_DEPTH or not _is_cheap(node) or pos[node] >= start:
             return False
         for i in node.all_input_nodes:
-            if written_before(_root(i), q):
+            if written_before(view_root(i), q):
                 return False
             if i.op in ("placeholder", "get_attr"):
                 continue

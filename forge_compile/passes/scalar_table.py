@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
 from ..optim.rule import get_rule
+from .remat_for_backward import view_root, written_args
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -60,10 +61,12 @@ def table_width(rules) -> int:
     return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules])
 
 
-def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "cuda") -> Optional[str]:
+def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "cuda",
+                         batch_inputs: frozenset = frozenset()) -> Optional[str]:
     """Why this rewritten step graph cannot read all its per-step values from a table and be replayed on
     ``device``, or None. ``scalar_inputs``: the placeholders of scalar states and hyper-parameters (the table
-    replaces them)."""
+    replaces them); ``batch_inputs``: the placeholders of the step's tensor arguments (a replay reads copies of
+    them, so writing to one would not reach the caller's tensor)."""
     from ..kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue
 
     for n in gm.graph.nodes:
@@ -89,6 +92,11 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
                 sv = _meta(s)
                 if sv is None or sv.dtype != torch.float32 or not sv.is_contiguous():
                     return f"state {rule.states[i]!r} is not a contiguous fp32 tensor"
+    for n in gm.graph.nodes:
+        for w in written_args(n):
+            if view_root(w) in batch_inputs:
+                return (f"the step writes to its argument {view_root(w).name} in place ({n.target}): a replay "
+                        "works on a copy of it")
     updates = set(_updates(gm))
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n in scalar_inputs or not n.users:
