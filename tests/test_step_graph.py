@@ -84,6 +84,41 @@ def test_random_numbers_block_the_graph():
     assert any("random numbers" in n for n in step.last_report.notes), step.last_report.notes
 
 
+def test_attention_without_dropout_is_replayed_with_dropout_not():
+    # SDPA's kernels are tagged as drawing random numbers (their dropout); with dropout_p == 0 they draw none
+    from forge_compile.step_graph import GRAPH_DEVICE
+
+    class Attn(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.qkv, self.p = nn.Linear(16, 48), p
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True).sum()
+
+    notes = {}
+    for p in (0.0, 0.1):
+        model = Attn(p)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        @forge.compile_train_step(cuda_graphs=True)
+        def step(x):
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        GRAPH_DEVICE[0] = "cpu"
+        try:
+            notes[p] = " ".join(step.explain(torch.randn(2, 8, 16)).notes)
+        finally:
+            GRAPH_DEVICE[0] = "cuda"
+    assert "replayed as one CUDA graph" in notes[0.0], notes[0.0]
+    assert "random numbers" in notes[0.1], notes[0.1]
+
+
 def test_step_writing_its_argument_is_not_replayed():
     # a replay reads a static copy of the batch: an in-place write to an argument would not reach the caller
     from forge_compile.step_graph import GRAPH_DEVICE

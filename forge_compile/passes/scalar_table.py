@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
+from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
 from .remat_for_backward import view_root, written_args
 
@@ -35,10 +36,10 @@ counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
 _FUSED = torch.ops.forge.wgrad_update_.default
-# random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones
-_RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
-           "native_dropout", "normal", "normal_", "uniform_", "exponential_", "multinomial", "randperm",
-           "inductor_seeds", "inductor_random", "philox_rand"}
+# random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones.
+# Ops tagged nondeterministic_seeded draw them, except attention with dropout_p == 0 (SDPA's flash / efficient /
+# cuDNN kernels are tagged for their dropout and touch no generator without it); a few more by name.
+_RANDOM = {"inductor_seeds", "inductor_random", "philox_rand"}
 
 
 def _meta(node):
@@ -61,6 +62,20 @@ def table_width(rules) -> int:
     return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules])
 
 
+def _draws_random_numbers(n: fx.Node) -> bool:
+    t = n.target
+    if getattr(t, "__name__", str(t)).split(".")[0] in _RANDOM:
+        return True
+    if not isinstance(t, OpOverload) or torch.Tag.nondeterministic_seeded not in t.tags:
+        return False
+    args = op_schema(t).arguments
+    for i, a in enumerate(args):
+        if a.name == "dropout_p":
+            p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", a.default_value)
+            return p != 0
+    return True
+
+
 def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "cuda",
                          batch_inputs: frozenset = frozenset()) -> Optional[str]:
     """Why this rewritten step graph cannot read all its per-step values from a table and be replayed on
@@ -70,10 +85,9 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
     from ..kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue
 
     for n in gm.graph.nodes:
-        if n.op == "call_function":
+        if n.op == "call_function" and _draws_random_numbers(n):
             name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-            if name in _RANDOM:
-                return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
+            return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
     for n in _updates(gm):
         rule = get_rule(n.args[-1])
         try:
