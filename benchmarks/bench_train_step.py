@@ -40,7 +40,8 @@ Host-bound runs (forge's routes at fine-tuning sizes on the H200) swing with the
 process; to read them: --repeat N (N processes per row), --ab-direct (steps alternating launch_memo's direct
 C-launcher entry off/on, in-process), --host-probe (a fixed piece of host work timed after each step), --affinity CPUS,
 --inductor-options JSON / --cpp-wrapper (Inductor options for every compiled route: e.g. the host code in C++, or
-CUDA graphs, which leave forge's op out: it is tagged cudagraph_unsafe).
+CUDA graphs: the backend's leave forge's op out, it is tagged cudagraph_unsafe; for compile_train_step the option
+means cuda_graphs=True, i.e. route step becomes step_graphs).
 """
 from __future__ import annotations
 

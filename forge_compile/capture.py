@@ -160,6 +160,12 @@ class CompiledTrainStep:
             raise TypeError(f"compile_train_step: unknown Inductor options {sorted(unknown)} "
                             "(torch._inductor.list_options())")
         self._options = dict(options or {})
+        # Inductor's own CUDA graphs would skip this graph (its per-step host scalars are CPU inputs) or, inside
+        # forge's capture, nest; asking for them means asking for the step replayed as a graph: forge's
+        if self._options.pop("triton.cudagraphs", False):
+            cuda_graphs = True
+            log.info("forge: compile_train_step: options['triton.cudagraphs'] -> cuda_graphs=True (the whole step "
+                     "is captured by forge)")
         self._fn = fn
         self._dump_dir = dump_dir
         self._fuse = fuse
@@ -508,8 +514,9 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
     options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``).
 
-    ``cuda_graphs=True``: after two eager steps the step is captured once and replayed as a CUDA graph (the host
-    then writes one table of step-dependent scalars per step; step_graph.py). Every optimizer update -- fused or
+    ``cuda_graphs=True`` (also what ``options={"triton.cudagraphs": True}`` asks for): after two eager steps the
+    step is captured once and replayed as a CUDA graph (the host then writes one table of step-dependent scalars
+    per step; step_graph.py). Every optimizer update -- fused or
     not -- then runs forge's generated update kernel (bitwise eager torch.optim's math), parameters, buffers and
     states must stay the same tensors (replacing one captures again), and the batch is copied into static
     buffers. Where a step cannot be replayed (random numbers, CPU inputs, a rule without a generated kernel) it

@@ -1,10 +1,12 @@
-"""Inductor's CUDA graphs (option ``triton.cudagraphs``, with graph partitioning as torch's default) and the fused op.
+"""The option ``triton.cudagraphs`` and the fused op, both routes.
 
 forge's launch passes host scalars computed from the step counter and hyper-parameters at that moment; a CUDA graph
-that captured it would replay step 1's bias corrections and lr forever. The op is tagged ``cudagraph_unsafe``, so
-Inductor leaves it out of its graphs (a partition boundary). Both routes, AdamW with the lr changed between steps:
-the run with CUDA graphs must match the run without (a replayed step-1 launch would be off by the bias-correction
-ratio, ~3x at step 4, far outside the tolerance)."""
+that captured it would replay step 1's bias corrections and lr forever. Backend route: Inductor's CUDA graphs (graph
+partitioning, torch's default) leave the op out, it is tagged ``cudagraph_unsafe`` (a partition boundary).
+compile_train_step: the option means cuda_graphs=True, forge's own capture of the whole step, whose updates read
+their scalars from a device table (test_step_graph.py). AdamW with the lr changed between steps: the run with CUDA
+graphs must match the run without (a replayed step-1 launch would be off by the bias-correction ratio, ~3x at step
+4, far outside the tolerances)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -14,9 +16,11 @@ from models import mse_route_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# Same kernels either way, so the runs should agree bit for bit; 1e-6 relative leaves room for a replay that
-# picks another cuBLAS algorithm for the unfused parameters' small GEMMs, and is ~1e5x below a stale-scalar error.
-RTOL, ATOL = 1e-6, 1e-7
+# Backend: the same kernels either way, so the runs should agree bit for bit; 1e-6 relative leaves room for a replay
+# that picks another cuBLAS algorithm for the unfused parameters' small GEMMs, and is ~1e5x below a stale-scalar
+# error. Step route: its graphed updates of the unfused biases run forge's rule_update (eager rule arithmetic), the
+# ungraphed ones Inductor's decomposed rule: rounding apart, which the later steps carry through the network.
+TOL = {"backend": (1e-6, 1e-7), "step": (1e-4, 1e-5)}
 
 
 def _run(route, options):
@@ -42,5 +46,14 @@ def test_cudagraphs_match_no_cudagraphs(route):
     losses_ref, params_ref = _run(route, {})
     losses_cg, params_cg = _run(route, {"triton.cudagraphs": True})
     assert losses_cg == pytest.approx(losses_ref, rel=1e-5)
+    rtol, atol = TOL[route]
     for a, b in zip(params_ref, params_cg):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+
+
+def test_step_route_option_means_forge_graphs():
+    from forge_compile import step_graph as sg
+
+    sg.counters.clear()
+    _run("step", {"triton.cudagraphs": True})
+    assert sg.counters["replays"] == 3 and not sg.counters["capture_failed"], dict(sg.counters)

@@ -119,6 +119,13 @@ def test_attention_without_dropout_is_replayed_with_dropout_not():
     assert "random numbers" in notes[0.1], notes[0.1]
 
 
+def test_inductor_cudagraphs_option_means_forge_graphs():
+    step = forge.compile_train_step(lambda x: x, options={"triton.cudagraphs": True, "cpp_wrapper": False})
+    assert step._cuda_graphs and step._options == {"cpp_wrapper": False}
+    step = forge.compile_train_step(lambda x: x, options={"triton.cudagraphs": False})
+    assert not step._cuda_graphs and step._options == {}
+
+
 def test_step_writing_its_argument_is_not_replayed():
     # a replay reads a static copy of the batch: an in-place write to an argument would not reach the caller
     from forge_compile.step_graph import GRAPH_DEVICE
