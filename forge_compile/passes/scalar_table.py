@@ -103,9 +103,10 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
                 return "an unfused update of a non-contiguous parameter"
         for i, s in enumerate(_states_hparams(n)[0]):
             if not rule.is_scalar_state(i):
-                sv = _meta(s)
-                if sv is None or sv.dtype != torch.float32 or not sv.is_contiguous():
-                    return f"state {rule.states[i]!r} is not a contiguous fp32 tensor"
+                sv, pv = _meta(s), _meta(n.args[0])
+                if (sv is None or pv is None or sv.dtype != torch.float32 or not sv.is_contiguous()
+                        or sv.shape != pv.shape):
+                    return f"state {rule.states[i]!r} is not a contiguous fp32 tensor shaped like its parameter"
     for n in gm.graph.nodes:
         for w in written_args(n):
             if view_root(w) in batch_inputs:
