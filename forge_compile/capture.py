@@ -318,12 +318,13 @@ class CompiledTrainStep:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         out_info["table"] = None
         if self._cuda_graphs:
-            out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), report)
+            out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
+                                                report)
         rewritten_code = format_graph(gm)
         write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
         return gm, report, out_info
 
-    def _use_table(self, gm, plans, states, hparams, first_state, report):
+    def _use_table(self, gm, plans, states, hparams, first_state, names, report):
         """cuda_graphs: rewrite the graph's updates to read a scalar table (passes/scalar_table.py); returns
         ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
         replayed as a graph and runs as without cuda_graphs."""
@@ -342,7 +343,9 @@ class CompiledTrainStep:
                 scalar_inputs.add(placeholders[pos])
                 pos += 1
         # the placeholders after the hyper-parameters are the step's tensor arguments
-        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]))
+        labels = dict(names)
+        labels.update((ph, f"the step's tensor argument {j}") for j, ph in enumerate(placeholders[pos:]))
+        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]), labels)
         if blocker is not None:
             report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {blocker}")
             log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)

@@ -149,7 +149,7 @@ def test_step_writing_its_argument_is_not_replayed():
         report = step.explain(x, y)
     finally:
         GRAPH_DEVICE[0] = "cuda"
-    assert any("writes to its argument" in n for n in report.notes), report.notes
+    assert any("writes to the step's tensor argument 0" in n for n in report.notes), report.notes
 
 
 def test_step_graph_runtime_order():

@@ -77,11 +77,13 @@ def _draws_random_numbers(n: fx.Node) -> bool:
 
 
 def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "cuda",
-                         batch_inputs: frozenset = frozenset()) -> Optional[str]:
+                         batch_inputs: frozenset = frozenset(), labels: Optional[dict] = None) -> Optional[str]:
     """Why this rewritten step graph cannot read all its per-step values from a table and be replayed on
     ``device``, or None. ``scalar_inputs``: the placeholders of scalar states and hyper-parameters (the table
     replaces them); ``batch_inputs``: the placeholders of the step's tensor arguments (a replay reads copies of
-    them, so writing to one would not reach the caller's tensor)."""
+    them, so writing to one would not reach the caller's tensor); ``labels``: names for placeholders in the
+    reason (parameter names, "argument i")."""
+    label = lambda ph: (labels or {}).get(ph, ph.name)  # noqa: E731
     from ..kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue
 
     for n in gm.graph.nodes:
@@ -110,15 +112,15 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
     for n in gm.graph.nodes:
         for w in written_args(n):
             if view_root(w) in batch_inputs:
-                return (f"the step writes to its argument {view_root(w).name} in place ({n.target}): a replay "
-                        "works on a copy of it")
+                return (f"the step writes to {label(view_root(w))} in place ({n.target}): a replay works on a "
+                        "copy of it")
     updates = set(_updates(gm))
     for n in gm.graph.nodes:
         if n.op != "placeholder" or n in scalar_inputs or not n.users:
             continue
         v = _meta(n)
         if isinstance(v, torch.Tensor) and v.device.type != device:
-            return f"graph input {n.name} is on {v.device} (a CUDA graph replays {device} work only)"
+            return f"{label(n)} is on {v.device} (a CUDA graph replays {device} work only)"
     for ph in scalar_inputs:
         others = [u for u in ph.users if u not in updates]
         if others:
