@@ -84,10 +84,17 @@ def test_random_numbers_block_the_graph():
     assert any("random numbers" in n for n in step.last_report.notes), step.last_report.notes
 
 
+def _notes_judged_for_cpu(step, *args) -> str:
+    """The report notes of ``step`` for these arguments, its graph judged as if CPU work could be replayed."""
+    sg.GRAPH_DEVICE[0] = "cpu"
+    try:
+        return " ".join(step.explain(*args).notes)
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
+
+
 def test_attention_without_dropout_is_replayed_with_dropout_not():
     # SDPA's kernels are tagged as drawing random numbers (their dropout); with dropout_p == 0 they draw none
-    from forge_compile.step_graph import GRAPH_DEVICE
-
     class Attn(nn.Module):
         def __init__(self, p):
             super().__init__()
@@ -110,11 +117,7 @@ def test_attention_without_dropout_is_replayed_with_dropout_not():
             opt.zero_grad()
             return loss
 
-        GRAPH_DEVICE[0] = "cpu"
-        try:
-            notes[p] = " ".join(step.explain(torch.randn(2, 8, 16)).notes)
-        finally:
-            GRAPH_DEVICE[0] = "cuda"
+        notes[p] = _notes_judged_for_cpu(step, torch.randn(2, 8, 16))
     assert "replayed as one CUDA graph" in notes[0.0], notes[0.0]
     assert "random numbers" in notes[0.1], notes[0.1]
 
@@ -128,8 +131,6 @@ def test_inductor_cudagraphs_option_means_forge_graphs():
 
 def test_step_writing_its_argument_is_not_replayed():
     # a replay reads a static copy of the batch: an in-place write to an argument would not reach the caller
-    from forge_compile.step_graph import GRAPH_DEVICE
-
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -143,13 +144,8 @@ def test_step_writing_its_argument_is_not_replayed():
         opt.zero_grad()
         return loss
 
-    GRAPH_DEVICE[0] = "cpu"
-    try:
-        x, y = _batches(1, (8, 16), (8, 8), "cpu")[0]
-        report = step.explain(x, y)
-    finally:
-        GRAPH_DEVICE[0] = "cuda"
-    assert any("writes to the step's tensor argument 0" in n for n in report.notes), report.notes
+    notes = _notes_judged_for_cpu(step, *_batches(1, (8, 16), (8, 8), "cpu")[0])
+    assert "writes to the step's tensor argument 0" in notes, notes
 
 
 def test_step_graph_runtime_order():
