@@ -61,11 +61,11 @@ def _make(family, tied):
     return model
 
 
-def _batches():
+def _batches(device="cpu"):
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
-        idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).to(device)
         out.append((idx[:, :-1], idx[:, 1:]))
     return out
 
@@ -78,16 +78,17 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _train(family, tied, route):
-    """Train with forge (route "step" or "backend") and eagerly side by side; returns both and the report."""
-    model = _make(family, tied)
+def _train(family, tied, route, device="cpu"):
+    """Train with forge (route "step", "step_graphs" or "backend") and eagerly side by side; returns both and the
+    report."""
+    model = _make(family, tied).to(device)
     ref = copy.deepcopy(model)                        # deepcopy keeps the tie (one shared Parameter)
     opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
     torch._dynamo.reset()
     fb.clear_reports()
 
-    if route == "step":
-        @forge.compile_train_step
+    if route in ("step", "step_graphs"):
+        @forge.compile_train_step(cuda_graphs=route == "step_graphs")
         def step(x, y):
             loss = _loss(model(input_ids=x).logits, y)
             loss.backward()
@@ -104,7 +105,7 @@ def _train(family, tied, route):
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-    for i, (x, y) in enumerate(_batches()):
+    for i, (x, y) in enumerate(_batches(device)):
         loss = step(x, y)
         ref_loss = _loss(ref(input_ids=x).logits, y)
         ref_loss.backward()
@@ -113,7 +114,7 @@ def _train(family, tied, route):
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"loss at step {i}: {m}")
 
-    if route == "step":
+    if route != "backend":
         report, prefix = step.last_report, "model."   # the step's closure calls the module "model"
         assert step.compile_count == 1
     else:
@@ -170,3 +171,40 @@ def test_hf_decoder_matches_torch_optim(family, tied, route):
     _assert_fusion(model, report, prefix, tied)
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight   # forge kept the tie
+
+
+@pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
+def test_hf_decoder_step_is_replayable(family, tied):
+    # compile_train_step(cuda_graphs=True) judges the whole HF step replayable (nothing random, no CPU input, every
+    # rule generated), here on CPU as if CPU work could be replayed; the GPU test below replays it
+    from forge_compile import step_graph as sg
+
+    model = _make(family, tied)
+    opt = _adamw(model.parameters())
+
+    @forge.compile_train_step(cuda_graphs=True)
+    def step(x, y):
+        loss = _loss(model(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sg.GRAPH_DEVICE[0] = "cpu"
+    try:
+        notes = " ".join(step.explain(*_batches()[0]).notes)
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
+    assert "replayed as one CUDA graph" in notes, notes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
+def test_hf_decoder_cuda_graphs_match_torch_optim(family, tied):
+    from forge_compile import step_graph as sg
+
+    sg.counters.clear()
+    model, opt, ref, ref_opt, report, prefix = _train(family, tied, "step_graphs", device="cuda")
+    assert sg.counters["replays"] == STEPS - 2 and not sg.counters["capture_failed"], (dict(sg.counters), report)
+    _assert_same(model, opt, ref, ref_opt)
+    _assert_fusion(model, report, prefix, tied)
