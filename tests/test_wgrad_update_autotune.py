@@ -62,7 +62,7 @@ def test_choose_times_on_scratch_keeps_fastest_and_persists(tuner, monkeypatch):
     speed = {"a": 3.0, "b": 1.0, "c": 2.0}
     seen = []
 
-    def fake_launch(choice, weight, dy_t_, x_, states, hparams, rule_, grad_out):
+    def fake_launch(choice, weight, dy_t_, x_, states, hparams, rule_, grad_out, table=None):
         seen.append((choice.config, weight.data_ptr(), [s.data_ptr() for s in states if s.dim()]))
         weight.add_(1.0)          # a real launch mutates: it must be the scratch copy
         states[0].add_(1.0)       # the step counter too (restored between runs)
@@ -95,7 +95,7 @@ def test_failing_candidate_skipped(tuner, monkeypatch):
         fn()
         return 1.0
 
-    def fake_launch(choice, *a):
+    def fake_launch(choice, *a, **kw):
         if choice.config == "bad":
             raise RuntimeError("out of shared memory")
 
@@ -105,6 +105,32 @@ def test_failing_candidate_skipped(tuner, monkeypatch):
     monkeypatch.setattr(at, "_time_ms", fake_time)
     assert at.choose(w, dy_t, x, st, hp, rule).config == "ok"
     assert at.counters["candidate_failed"] == 1
+
+
+def test_table_launch_shares_the_host_launch_key():
+    # a launch reading a scalar table (tensor states only) is the same kernel choice as the host-scalar launch
+    rule, w, dy_t, x, st, hp = _layer()
+    tensor_states = [s for i, s in enumerate(st) if not rule.is_scalar_state(i)]
+    table = torch.zeros(8)
+    assert at.tune_key(rule, w, dy_t, x, tensor_states, None, table) == at.tune_key(rule, w, dy_t, x, st, None)
+    assert at._n_arrays(rule, tensor_states, None, table) == at._n_arrays(rule, st, None) == 3
+
+
+def test_table_launch_tunes_on_scratch_tensor_states(tuner, monkeypatch):
+    rule, w, dy_t, x, st, hp = _layer()
+    tensor_states = [s for i, s in enumerate(st) if not rule.is_scalar_state(i)]
+    table = torch.zeros(8)
+    seen = []
+
+    def fake_launch(choice, weight, dy_t_, x_, states, hparams, rule_, grad_out, table=None):
+        seen.append((len(states), all(s.shape == weight.shape for s in states), hparams, table))
+
+    monkeypatch.setattr(at, "_device_ok", lambda w: True)
+    monkeypatch.setattr(at, "candidates", lambda *a: [at.Choice("triton", "a"), at.Choice("triton", "b")])
+    monkeypatch.setattr(at, "_launch_choice", fake_launch)
+    monkeypatch.setattr(at, "_time_ms", lambda fn: (fn(), 1.0)[1])
+    assert at.choose(w, dy_t, x, tensor_states, [], rule, None, table).config == "a"
+    assert seen and all(n == 2 and same and hp == [] and t is table for n, same, hp, t in seen)
 
 
 def test_scratch_rows_capped(monkeypatch):

@@ -234,6 +234,24 @@ def test_cuda_table_through_launch_memo(kernel, monkeypatch):
 
 
 @cuda
+def test_cuda_table_launch_autotuned(tmp_path, monkeypatch):
+    # FORGE_AUTOTUNE: the table launch tunes (or reuses) the host launch's key and stays exact
+    from forge_compile.kernels import launch_memo
+    from forge_compile.kernels import wgrad_update_autotune as at
+
+    monkeypatch.setenv(at.ENV, "1")
+    monkeypatch.setenv("FORGE_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    at.clear(memory_only=True)
+    launch_memo.clear()
+    try:
+        _same_as_host_launch(R.adamw_rule(), "cuda", "cuda", shape=(1024, 512, 256))
+        assert at.counters["hit"] >= 1          # the second launch (the table's) reused the first one's choice
+    finally:
+        at.clear(memory_only=True)
+        launch_memo.clear()
+
+
+@cuda
 @pytest.mark.parametrize("kernel", ["triton", "gluon"])
 def test_cuda_graph_replays_table_launches(kernel, monkeypatch):
     """Two layers' launches captured once, replayed over 4 steps with new rows (step and lr change): the same W and

@@ -73,11 +73,18 @@ def m_bucket(m: int) -> int:
     return b
 
 
-def tune_key(rule: Rule, weight, dy_t, x, states, grad_out) -> str:
+def _n_tensor_states(rule: Rule, states, table) -> int:
+    # ``states`` in the rule's order, or -- a launch reading a scalar table -- the tensor states alone
+    return len(states) if table is not None else sum(1 for i in range(len(states)) if not rule.is_scalar_state(i))
+
+
+def tune_key(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> str:
+    """The key of a launch's choice; a launch reading a scalar table shares the key (and the choice) of the same
+    launch with host scalars."""
     import triton
 
     n, k = weight.shape
-    n_ts = sum(1 for i in range(len(states)) if not rule.is_scalar_state(i))
+    n_ts = _n_tensor_states(rule, states, table)
     dev = torch.cuda.get_device_name(weight.device) if weight.is_cuda else str(weight.device)
     return "|".join(map(str, (rule.name, n, k, m_bucket(x.shape[0]), str(dy_t.dtype), str(x.dtype), n_ts,
                               grad_out is not None, dev, triton.__version__)))
@@ -140,15 +147,15 @@ def clear(memory_only: bool = False) -> None:
 # candidates and timing
 
 
-def candidates(rule: Rule, weight, dy_t, x, states, grad_out) -> list[Choice]:
+def candidates(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> list[Choice]:
     from . import wgrad_update_gluon as wg
     from . import wgrad_update_triton as wt
 
     n, k = weight.shape
     m = x.shape[0]
     out = []
-    if wg.use_gluon(weight, dy_t, x, states, rule, grad_out):
-        out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out),
+    if wg.use_gluon(weight, dy_t, x, states, rule, grad_out, table):
+        out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out, table),
                                                                    x.element_size())]
     upcast = dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
     names = wt.tune_candidates(n, k, m, upcast)
@@ -158,14 +165,14 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out) -> list[Choice]:
     return out
 
 
-def _n_arrays(rule: Rule, states, grad_out) -> int:
+def _n_arrays(rule: Rule, states, grad_out, table=None) -> int:
     # fp32 [N, K] arrays a launch reads and writes: W, the tensor states, the stored dW
-    return 1 + sum(1 for i in range(len(states)) if not rule.is_scalar_state(i)) + (grad_out is not None)
+    return 1 + _n_tensor_states(rule, states, table) + (grad_out is not None)
 
 
-def _scratch_rows(rule: Rule, weight, states, grad_out) -> int:
+def _scratch_rows(rule: Rule, weight, states, grad_out, table=None) -> int:
     n, k = weight.shape
-    n_arrays = _n_arrays(rule, states, grad_out)
+    n_arrays = _n_arrays(rule, states, grad_out, table)
     cap = int(float(os.environ.get("FORGE_AUTOTUNE_MIB", "1024")) * 2**20)
     rows = cap // max(1, n_arrays * k * 4)
     if rows >= n:
@@ -173,15 +180,15 @@ def _scratch_rows(rule: Rule, weight, states, grad_out) -> int:
     return max(128, rows // 128 * 128)
 
 
-def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, grad_out) -> None:
+def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, grad_out, table=None) -> None:
     if choice.family == "gluon":
         from .wgrad_update_gluon import launch
 
-        launch(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config)
+        launch(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config, table=table)
     else:
         from .wgrad_update_triton import launch_wgrad_update
 
-        launch_wgrad_update(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config)
+        launch_wgrad_update(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config, table=table)
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -190,21 +197,23 @@ def _time_ms(fn: Callable[[], None]) -> float:
     return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Choice]) -> Choice | None:
-    rows = _scratch_rows(rule, weight, states, grad_out)
+def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Choice], table=None) -> Choice | None:
+    rows = _scratch_rows(rule, weight, states, grad_out, table)
+    scalar = (lambda i: False) if table is not None else rule.is_scalar_state   # a table launch: tensor states only
     with torch.no_grad():
         w_s = weight[:rows].clone()
-        st_s = [s.clone() if rule.is_scalar_state(i) else s[:rows].clone() for i, s in enumerate(states)]
+        st_s = [s.clone() if scalar(i) else s[:rows].clone() for i, s in enumerate(states)]
         g_s = None if grad_out is None else torch.empty_like(w_s)
         # dY [M, N] row-major sliced to its first `rows` columns, contiguous again (TMA needs it), as dy_t
         dy_s = dy_t[:rows] if rows == weight.shape[0] else dy_t[:rows].t().contiguous().t()
-    scalar0 = [s.clone() for i, s in enumerate(st_s) if rule.is_scalar_state(i)]
+    scalar0 = [s.clone() for i, s in enumerate(st_s) if scalar(i)]
+    kw = {} if table is None else {"table": table}
     best = None
     for c in cands:
         def run(c=c):
-            _launch_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s)
+            _launch_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s, **kw)
             # scalar states back to their value: every candidate and repetition sees the same host scalars
-            for s, s0 in zip((s for i, s in enumerate(st_s) if rule.is_scalar_state(i)), scalar0):
+            for s, s0 in zip((s for i, s in enumerate(st_s) if scalar(i)), scalar0):
                 s.copy_(s0)
         try:
             ms = _time_ms(run)
@@ -219,10 +228,11 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Ch
     return best
 
 
-def forget(weight, dy_t, x, states, rule: Rule, grad_out=None, *, why: BaseException | None = None) -> None:
+def forget(weight, dy_t, x, states, rule: Rule, grad_out=None, *, why: BaseException | None = None,
+           table=None) -> None:
     """Drop this launch's choice (it failed to build or launch): the key goes back to the untuned path for the
     rest of the process and is re-tuned in the next one."""
-    key = tune_key(rule, weight, dy_t, x, states, grad_out)
+    key = tune_key(rule, weight, dy_t, x, states, grad_out, table)
     with _LOCK:
         dropped = _TABLE.pop(key, None)
     counters["forgotten"] += 1
@@ -236,13 +246,14 @@ def _device_ok(weight) -> bool:
     return weight.is_cuda
 
 
-def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choice | None:
+def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, table=None) -> Choice | None:
     """The tuned choice for this launch (tuning it now if the key is new); None when tuning is off, the launch
-    is not on a CUDA device, or no candidate ran."""
+    is not on a CUDA device, or no candidate ran. ``table``: the launch reads its scalars from this row
+    (``states`` are its tensor states; candidates are timed reading it too)."""
     if not enabled() or not _device_ok(weight) or x.shape[0] == 0:
         return None
     _load()
-    key = tune_key(rule, weight, dy_t, x, states, grad_out)
+    key = tune_key(rule, weight, dy_t, x, states, grad_out, table)
     if key in _FORGOTTEN:
         return None
     hit = _TABLE.get(key)
@@ -251,11 +262,11 @@ def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None) -> Choic
         return hit
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None   # timing (events, synchronize) cannot run inside a CUDA graph capture: untuned there
-    cands = candidates(rule, weight, dy_t, x, states, grad_out)
+    cands = candidates(rule, weight, dy_t, x, states, grad_out, table)
     if len(cands) <= 1:
         choice = cands[0] if cands else None
     else:
-        choice = _tune(rule, weight, dy_t, x, states, hparams, grad_out, cands)
+        choice = _tune(rule, weight, dy_t, x, states, hparams, grad_out, cands, table)
         counters["tuned"] += 1
         log.info("forge: autotuned %s -> %s %s (%.4f ms on %d candidates)", key,
                  choice.family if choice else None, choice.config if choice else None,

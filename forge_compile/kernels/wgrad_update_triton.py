@@ -522,8 +522,9 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
     ``table``: the kernel reads the rule's scalars from this fp32 row on the weight's device (``rule_scalars``
     gives its values) instead of computing them from scalar states and hyper-parameters on the host; ``states``
     are then the tensor states alone and ``hparams`` is empty. Nothing of such a launch depends on the step, so it
-    can be captured in a CUDA graph and replayed with new values in the row. Autotuning does not apply to it (the
-    tuner times launches with host scalars): it takes the untuned kernel choice."""
+    can be captured in a CUDA graph and replayed with new values in the row. FORGE_AUTOTUNE applies to it as to
+    the host-scalar launch of the same shape (one key, one choice), except that nothing is tuned during a
+    capture (a key first seen there takes the untuned choice)."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
@@ -533,7 +534,7 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
         from . import wgrad_update_autotune as autotune
         from . import wgrad_update_gluon as wg
 
-        tuned = table is None and autotune.enabled()
+        tuned = autotune.enabled()
         if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
             # the kind: everything of the kernel choice that is not in the tensors' properties
             kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None)
@@ -541,17 +542,17 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
             memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, grad_out)
             if launch_memo.lookup(memo_key, states, hparams):
                 return
-        choice = autotune.choose(weight, dy_t, x, states, hparams, rule, grad_out) if tuned else None
+        choice = autotune.choose(weight, dy_t, x, states, hparams, rule, grad_out, table) if tuned else None
         gcfg = None
         if choice is not None and choice.family == "gluon":
             gcfg = choice.config
             try:
-                wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg)
+                wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg, table=table)
                 ran_gluon = True
             except Exception as e:  # a choice from the cache file that does not build here: the untuned path
-                autotune.forget(weight, dy_t, x, states, rule, grad_out, why=e)
+                autotune.forget(weight, dy_t, x, states, rule, grad_out, why=e, table=table)
                 gcfg = None
-                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out)
+                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
         elif choice is not None:
             ran_gluon, config = False, choice.config
         else:
