@@ -22,7 +22,6 @@ import functools
 import inspect
 import logging
 import types
-import weakref
 from collections import Counter
 
 import torch
@@ -38,7 +37,7 @@ from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward
-from .passes.scalar_table import graph_replay_blocker, table_width, use_scalar_table
+from .passes.scalar_table import graph_replay_blocker, use_scalar_table
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph, fill_table
@@ -270,7 +269,6 @@ class CompiledTrainStep:
                 l2[i_] = targs[k]
             a2, k2 = pytree.tree_unflatten(l2, in_spec)
             with contextlib.ExitStack() as stack:
-                off_p = off_b = 0
                 for mname, mod in mod_items:
                     sub = {}
                     for n, p in mod.named_parameters(remove_duplicate=False):
