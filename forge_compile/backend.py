@@ -255,20 +255,42 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries):
+    def __init__(self, opt, entries, table_rows=None):
         self.opt = opt
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
         self.cache = StateCache()
+        # scalar_table: the fused plans in table-row order, the table (made at the first call, on the device)
+        self.table_rows = None
+        self.table = None
+        if table_rows is not None:
+            by_plan = {id(e.plan): e for e in self.entries}
+            self.table_rows = [by_plan[id(pl)] for pl in table_rows]
 
     def tensors(self):
         self.cache.refresh(self.opt, self._items)
         out = []
+        tabled = self.table_rows is not None
         for e in self.entries:
             out.append(e.param)
             if e.with_states:
-                out.extend(e.states)
-                out.extend(e.hparams.tensors)
+                if tabled:
+                    out.extend(s for k, s in enumerate(e.states) if not e.rule.is_scalar_state(k))
+                else:
+                    out.extend(e.states)
+                    out.extend(e.hparams.tensors)
+        if tabled:
+            from .passes.scalar_table import table_width
+            from .step_graph import fill_table
+
+            if self.table is None:
+                width = table_width({e.rule for e in self.table_rows})
+                self.table = torch.zeros((len(self.table_rows), width), dtype=torch.float32,
+                                         device=self.table_rows[0].param.device)
+            # the scalars as a normal launch would get them; the scalar states advance here
+            fill_table(self.table, [(e.rule, [s for k, s in enumerate(e.states) if e.rule.is_scalar_state(k)],
+                                     e.hparams.tensors) for e in self.table_rows])
+            out.append(self.table)
         return out
 
 
@@ -294,18 +316,20 @@ def _fake(fake_mode, t):
 
 
 def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
-    """Rewrite each raw ``forge::wgrad_update_`` into ``auto_functionalized`` + ``copy_`` into its
-    inputs at the end of the graph (what Inductor expects after functionalization)."""
+    """Rewrite each raw ``forge::wgrad_update_`` (or ``wgrad_update_table_``) into ``auto_functionalized`` +
+    ``copy_`` into its inputs at the end of the graph (what Inductor expects after functionalization)."""
     graph = gm.graph
-    op = torch.ops.forge.wgrad_update_.default
+    ops = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default)
     af_op = _compat.auto_functionalized()
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies = []
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not op:
+        if n.op != "call_function" or n.target not in ops:
             continue
-        weight, dy_t, x, states, hparams, rule = n.args
-        kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), hparams=list(hparams), rule=rule)
+        op = n.target
+        weight, dy_t, x, states, last, rule = n.args       # last: the hyper-parameters, or the table row
+        kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule)
+        kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
         val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
         with fake_mode:
             val = af_op(op, **val_kwargs)
@@ -337,8 +361,10 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
 class _Compilation:
     """State shared by the forward and backward compiles of one Dynamo graph."""
 
-    def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir, inductor_options=None):
+    def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir, inductor_options=None,
+                 scalar_table=False):
         self.optimizer = optimizer
+        self.scalar_table = scalar_table
         self.inductor_options = dict(inductor_options or {})   # for the unfused variant, compiled later
         self.fuse = fuse
         self.dump_dir = dump_dir
@@ -476,17 +502,35 @@ class _Compilation:
                     graph.erase_node(w)
             else:
                 passed.append((pl, True, w))
+        table_rows, table_note = None, None
+        if self.scalar_table and any(i not in unfused for i, _ in cands):
+            from .kernels.rule_update import interpreting_on_cpu
+
+            if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or interpreting_on_cpu():
+                table_rows = self._use_table(gm, cands, unfused, ph_of)
+                table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
+                              "table written before each backward (the backward can be a CUDA graph)")
+            else:
+                table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
         _functionalize_fused(gm, fake_mode)
         graph.eliminate_dead_code()
         gm.recompile()
 
         extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
-        extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed])
+        extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table_rows)
+        if table_rows is not None:
+            # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
+            # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
+            static = set(kwargs.get("static_input_idxs", ()) or ())
+            kwargs = dict(kwargs, static_input_idxs=tuple(sorted(
+                static | set(range(len(placeholders), len(placeholders) + len(extra_fakes))))))
         fused_plans = [pl for i, pl in cands if i not in unfused]
 
         report = FusionReport(decisions, graph="backward")
         if fused_plans:
             report.notes.append(_NOTE_SEMANTICS)
+        if table_note is not None:
+            report.notes.append(table_note)
         elif decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         if not fused_plans:
@@ -502,6 +546,31 @@ class _Compilation:
             runtime = (extras, fused_names, unfused_variant)
         return self._finish(gm, list(example_inputs) + extra_fakes, compile_fx_inner, kwargs, captured,
                             report, runtime, roles)
+
+    def _use_table(self, gm, cands, unfused, ph_of):
+        """scalar_table: the fused updates read their scalars from one table placeholder appended last (its rows:
+        the returned fused plans, in order); their scalar-state and hyper-parameter placeholders go away."""
+        from .passes.scalar_table import use_scalar_table
+
+        plan_of, index = {}, {}
+        for i, pl in cands:
+            if i in unfused:
+                continue
+            _, s_nodes, h_nodes = ph_of[i]
+            index[i] = pl
+            for n in s_nodes + h_nodes:
+                plan_of[n] = i
+        rows, _ = use_scalar_table(gm, plan_of)
+        for i, pl in cands:
+            if i in unfused:
+                continue
+            _, s_nodes, h_nodes = ph_of[i]
+            for k, n in enumerate(s_nodes):
+                if pl.rule.is_scalar_state(k):
+                    gm.graph.erase_node(n)
+            for n in h_nodes:
+                gm.graph.erase_node(n)
+        return [index[i] for i in rows]
 
     def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime, roles=None):
         directory = _dump_dir(self.dump_dir)
@@ -757,14 +826,17 @@ def _op_short(target) -> str:
     return str(target).split(".")[-2] if str(target).startswith("aten.") else getattr(target, "__name__", str(target))
 
 
-_FORGE_OPTIONS = ("optimizer", "fuse", "dump_dir")
+_FORGE_OPTIONS = ("optimizer", "fuse", "dump_dir", "scalar_table")
 
 
 def forge_backend(gm, example_inputs, options=None, **kwargs):
     """Dynamo backend ``"forge"``. Options: ``optimizer`` (a torch.optim.Optimizer over the model's
-    parameters; without it this is plain Inductor), ``fuse`` (default True), ``dump_dir``; any other option is
-    an Inductor option, as with ``torch.compile(options=...)`` for Inductor (``torch._inductor.list_options()``,
-    e.g. ``cpp_wrapper``, ``max_autotune``), applied to every graph forge compiles."""
+    parameters; without it this is plain Inductor), ``fuse`` (default True), ``dump_dir``, ``scalar_table``
+    (the fused updates read their step-dependent scalars from a device table the runtime writes before each
+    backward, instead of host arguments: what a CUDA graph of the backward needs; default: on with Inductor's
+    ``triton.cudagraphs``); any other option is an Inductor option, as with ``torch.compile(options=...)`` for
+    Inductor (``torch._inductor.list_options()``, e.g. ``cpp_wrapper``, ``max_autotune``, ``triton.cudagraphs``),
+    applied to every graph forge compiles."""
     opts = dict(options or {})
     opts.update(kwargs)
     inductor_opts = {k: v for k, v in opts.items() if k not in _FORGE_OPTIONS}
@@ -772,8 +844,9 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
     if unknown:
         raise TypeError(f"forge backend: unknown options {sorted(unknown)} (forge's: {', '.join(_FORGE_OPTIONS)}; "
                         "any other must be an Inductor option, torch._inductor.list_options())")
+    table = opts.get("scalar_table", bool(inductor_opts.get("triton.cudagraphs")))
     comp = _Compilation(gm, example_inputs, opts.get("optimizer"), bool(opts.get("fuse", True)),
-                        opts.get("dump_dir"), inductor_opts)
+                        opts.get("dump_dir"), inductor_opts, bool(table))
     return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
 
 

@@ -535,3 +535,52 @@ def test_user_visible_outputs_skip_none_gradients(monkeypatch):
         opt, ref, ref_opt, cm = _train_both(TinyLM(), OPTIMIZERS["adamw"], _lm_batches(3), _lm_loss,
                                             fused_names=LM_WEIGHTS)
     assert {r.name for r in fb.last_report().fused} == LM_WEIGHTS
+
+
+# -- scalar_table (what Inductor's CUDA graphs of the backward need) ----------------------------------------
+
+def test_scalar_table_needs_cuda_weights():
+    # on with triton.cudagraphs; CPU weights (no Triton interpreter) keep host scalars, and the report says so
+    model = DeepMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt, "triton.cudagraphs": True})
+    F.mse_loss(cm(torch.randn(4, 16)), torch.randn(4, 8)).backward()
+    opt.step()
+    assert "scalar_table: not used (the fused weights are not on a CUDA device)" in fb.last_report().notes
+
+
+def test_interpreter_tests_in_subprocess():
+    from interpreter import run_child
+
+    run_child(__file__)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    # a fresh momentum buffer: torch.optim's first step copies the gradient (forge: dampening 0 that step)
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5)], ids=["adamw", "sgd_dampening"])
+def test_interpreter_scalar_table_follows_eager(interpret, make_opt):
+    # the fused updates read a device table (Triton's interpreter runs them on CPU) written before each backward
+    torch.manual_seed(0)
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt, "scalar_table": True})
+    for i in range(4):
+        x, y = torch.randn(8, 16), torch.randn(8, 8)
+        F.mse_loss(cm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for g in (opt, ref_opt):
+            g.param_groups[0]["lr"] = 1e-2 / (i + 2)      # the table follows a schedule
+    rewritten = fb.last_graphs()[-1].rewritten
+    assert rewritten.count("wgrad_update_table_") == 3 and "hparam" not in rewritten
+    assert any(n.startswith("scalar_table: the fused updates read") for n in fb.last_report().notes)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][k], v, rtol=RTOL, atol=ATOL)

@@ -1,8 +1,10 @@
 """The option ``triton.cudagraphs`` and the fused op, both routes.
 
 forge's launch passes host scalars computed from the step counter and hyper-parameters at that moment; a CUDA graph
-that captured it would replay step 1's bias corrections and lr forever. Backend route: Inductor's CUDA graphs (graph
-partitioning, torch's default) leave the op out, it is tagged ``cudagraph_unsafe`` (a partition boundary).
+that captured it would replay step 1's bias corrections and lr forever. Backend route: with the option the fused
+updates read those scalars from a device table the runtime writes before each backward (``scalar_table``), so
+Inductor's CUDA graphs can take the whole backward (the host-scalar op is tagged ``cudagraph_unsafe``: a partition
+boundary, where the table is off).
 compile_train_step: the option means cuda_graphs=True, forge's own capture of the whole step, whose updates read
 their scalars from a device table (test_step_graph.py). AdamW with the lr changed between steps: the run with CUDA
 graphs must match the run without (a replayed step-1 launch would be off by the bias-correction ratio, ~3x at step
@@ -49,6 +51,17 @@ def test_cudagraphs_match_no_cudagraphs(route):
     rtol, atol = TOL[route]
     for a, b in zip(params_ref, params_cg):
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+
+
+def test_backend_backward_is_not_skipped_by_inductor_cudagraphs():
+    # with triton.cudagraphs the backend's fused updates read a device table (option scalar_table, on by default
+    # then) and their extra inputs are static: Inductor's CUDA graphs take every graph (no skip logged)
+    from torch._dynamo.utils import counters
+
+    counters["inductor"].clear()
+    _run("backend", {"triton.cudagraphs": True})
+    assert any(n.startswith("scalar_table: the fused updates read") for n in fb.last_report().notes)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 def test_step_route_option_means_forge_graphs():
