@@ -19,6 +19,8 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
   baseline_graphs  (only with --routes) the baseline with torch.compile(mode="reduce-overhead") (Inductor's CUDA
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
+  backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
+                   fused updates then read a device scalar table)
 The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
 UnsupportedOptimizerError for it.
 
@@ -69,11 +71,11 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "backend")   # known routes, table order
+ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "backend", "backend_graphs")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
-FORGE_ROUTES = ("step", "step_graphs", "backend")
+FORGE_ROUTES = ("step", "step_graphs", "backend", "backend_graphs")
 STEP_ROUTES = ("step", "step_graphs")          # compile_train_step: one graph, no .grad
-GRAPH_ROUTES = ("step_graphs", "baseline_graphs")   # replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "baseline_graphs", "backend_graphs")   # replayed CUDA graphs
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -189,8 +191,10 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
         return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
                                         cuda_graphs=route == "step_graphs"), None
 
-    if route == "backend":
+    if route in ("backend", "backend_graphs"):
         import forge_compile  # noqa: F401  (registers backend="forge")
+        if route == "backend_graphs":
+            io = {"triton.cudagraphs": True, **io}
         cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **io})
     elif route == "baseline":
         cm = torch.compile(wl, dynamic=False, options=io or None)
@@ -204,7 +208,7 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
         raise ValueError(route)
     probe = {"on": False, "grad_bytes": None}
 
-    graphs = route == "baseline_graphs"
+    graphs = route in ("baseline_graphs", "backend_graphs")
 
     def train_step(x, y):
         if graphs:     # a new iteration for Inductor's CUDA-graph trees (the last one's outputs may be reused)
@@ -227,7 +231,7 @@ def fusion_rows(route, step):
     """forge's report rows as dicts ([] for the baseline)."""
     if route in STEP_ROUTES:
         reports = [step.last_report] if step.last_report is not None else []
-    elif route == "backend":
+    elif route in ("backend", "backend_graphs"):
         from forge_compile import backend
         reports = backend.last_reports()
     else:
