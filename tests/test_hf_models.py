@@ -78,6 +78,17 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def _compiled_step(model, opt, cuda_graphs=False):
+    @forge.compile_train_step(cuda_graphs=cuda_graphs)
+    def step(x, y):
+        loss = _loss(model(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def _train(family, tied, route, device="cpu"):
     """Train with forge (route "step", "step_graphs" or "backend") and eagerly side by side; returns both and the
     report."""
@@ -88,13 +99,7 @@ def _train(family, tied, route, device="cpu"):
     fb.clear_reports()
 
     if route in ("step", "step_graphs"):
-        @forge.compile_train_step(cuda_graphs=route == "step_graphs")
-        def step(x, y):
-            loss = _loss(model(input_ids=x).logits, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = _compiled_step(model, opt, cuda_graphs=route == "step_graphs")
     else:
         cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
 
@@ -180,16 +185,7 @@ def test_hf_decoder_step_is_replayable(family, tied):
     from forge_compile import step_graph as sg
 
     model = _make(family, tied)
-    opt = _adamw(model.parameters())
-
-    @forge.compile_train_step(cuda_graphs=True)
-    def step(x, y):
-        loss = _loss(model(input_ids=x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = _compiled_step(model, _adamw(model.parameters()), cuda_graphs=True)
     sg.GRAPH_DEVICE[0] = "cpu"
     try:
         notes = " ".join(step.explain(*_batches()[0]).notes)
