@@ -53,7 +53,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
-from .kernels import wgrad_update as _register_fused_op  # noqa: F401  (registers forge::wgrad_update_)
+from .kernels.wgrad_update import triton_on_cpu
+from .kernels.wgrad_update_triton import split_states
+from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
@@ -255,41 +257,33 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries, table_rows=None):
+    def __init__(self, opt, entries, table=None):
         self.opt = opt
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
         self.cache = StateCache()
-        # scalar_table: the fused plans in table-row order, the table (made at the first call, on the device)
-        self.table_rows = None
-        self.table = None
-        if table_rows is not None:
+        # scalar_table: ``table`` = (the fused plans in row order, its width); the entries of those rows and the
+        # table itself (fp32 on the parameters' device)
+        self.table_rows = self.table = None
+        if table is not None:
+            plans, width = table
             by_plan = {id(e.plan): e for e in self.entries}
-            self.table_rows = [by_plan[id(pl)] for pl in table_rows]
+            self.table_rows = [by_plan[id(pl)] for pl in plans]
+            self.table = torch.zeros((len(plans), width), dtype=torch.float32, device=plans[0].param.device)
 
     def tensors(self):
         self.cache.refresh(self.opt, self._items)
         out = []
-        tabled = self.table_rows is not None
         for e in self.entries:
             out.append(e.param)
-            if e.with_states:
-                if tabled:
-                    out.extend(s for k, s in enumerate(e.states) if not e.rule.is_scalar_state(k))
-                else:
-                    out.extend(e.states)
-                    out.extend(e.hparams.tensors)
-        if tabled:
-            from .passes.scalar_table import table_width
-            from .step_graph import fill_table
-
-            if self.table is None:
-                width = table_width({e.rule for e in self.table_rows})
-                self.table = torch.zeros((len(self.table_rows), width), dtype=torch.float32,
-                                         device=self.table_rows[0].param.device)
+            if e.with_states and self.table is not None:
+                out.extend(split_states(e.rule, e.states)[0])
+            elif e.with_states:
+                out.extend(e.states)
+                out.extend(e.hparams.tensors)
+        if self.table is not None:
             # the scalars as a normal launch would get them; the scalar states advance here
-            fill_table(self.table, [(e.rule, [s for k, s in enumerate(e.states) if e.rule.is_scalar_state(k)],
-                                     e.hparams.tensors) for e in self.table_rows])
+            fill_table(self.table, [(e.rule, e.states, e.hparams.tensors) for e in self.table_rows])
             out.append(self.table)
         return out
 
@@ -502,12 +496,10 @@ class _Compilation:
                     graph.erase_node(w)
             else:
                 passed.append((pl, True, w))
-        table_rows, table_note = None, None
+        table, table_note = None, None
         if self.scalar_table and any(i not in unfused for i, _ in cands):
-            from .kernels.rule_update import interpreting_on_cpu
-
-            if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or interpreting_on_cpu():
-                table_rows = self._use_table(gm, cands, unfused, ph_of)
+            if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
+                table = self._use_table(gm, cands, unfused, ph_of)
                 table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
                               "table written before each backward (the backward can be a CUDA graph)")
             else:
@@ -517,8 +509,8 @@ class _Compilation:
         gm.recompile()
 
         extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
-        extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table_rows)
-        if table_rows is not None:
+        extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table)
+        if table is not None:
             # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
             # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
             static = set(kwargs.get("static_input_idxs", ()) or ())
@@ -548,29 +540,16 @@ class _Compilation:
                             report, runtime, roles)
 
     def _use_table(self, gm, cands, unfused, ph_of):
-        """scalar_table: the fused updates read their scalars from one table placeholder appended last (its rows:
-        the returned fused plans, in order); their scalar-state and hyper-parameter placeholders go away."""
-        from .passes.scalar_table import use_scalar_table
-
-        plan_of, index = {}, {}
-        for i, pl in cands:
-            if i in unfused:
-                continue
-            _, s_nodes, h_nodes = ph_of[i]
-            index[i] = pl
-            for n in s_nodes + h_nodes:
-                plan_of[n] = i
-        rows, _ = use_scalar_table(gm, plan_of)
-        for i, pl in cands:
-            if i in unfused:
-                continue
-            _, s_nodes, h_nodes = ph_of[i]
-            for k, n in enumerate(s_nodes):
-                if pl.rule.is_scalar_state(k):
-                    gm.graph.erase_node(n)
-            for n in h_nodes:
+        """scalar_table: the fused updates read their scalars from one table placeholder appended last; returns
+        (the fused plans in row order, the table's width). Their scalar-state and hyper-parameter placeholders go
+        away."""
+        index = dict(cands)
+        plan_of = {n: i for i in index if i not in unfused for n in ph_of[i][1] + ph_of[i][2]}
+        rows, width = use_scalar_table(gm, plan_of)
+        for n in plan_of:
+            if not n.users:      # the scalar states and hyper-parameters: the table replaces them
                 gm.graph.erase_node(n)
-        return [index[i] for i in rows]
+        return [index[i] for i in rows], width
 
     def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime, roles=None):
         directory = _dump_dir(self.dump_dir)

@@ -37,10 +37,10 @@ from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward
-from .passes.scalar_table import graph_replay_blocker, use_scalar_table
+from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
-from .step_graph import GRAPH_DEVICE, StepGraph, fill_table
+from .step_graph import GRAPH_DEVICE, StepGraph
 
 log = logging.getLogger(__name__)
 
@@ -435,8 +435,7 @@ class CompiledTrainStep:
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
-            fill_table(entry.table, [(plans[i][1].rule, _scalar_states(plans[i][1].rule, states[i]), hparams[i])
-                                     for i in entry.table_plans])
+            fill_table(entry.table, [(plans[i][1].rule, states[i], hparams[i]) for i in entry.table_plans])
             outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
         outs = list(outs)
@@ -468,10 +467,6 @@ class CompiledTrainStep:
                 if not existed:
                     opt.state.pop(p, None)
         return report
-
-
-def _scalar_states(rule, states) -> list:
-    return [s for j, s in enumerate(states) if rule.is_scalar_state(j)]
 
 
 def _clone_notes():

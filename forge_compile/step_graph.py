@@ -6,7 +6,7 @@ Replayed, a step costs the host one table write and one graph launch.
 
 What makes a replay exact: the step graph reads everything that changes between steps from tensors whose
 addresses do not change -- the parameters, buffers and optimizer states themselves, the batch through static
-copies, and the per-step host scalars through a device table (passes/scalar_table.py) that ``fill_table`` writes
+copies, and the per-step host scalars through a device table that ``passes/scalar_table.fill_table`` writes
 before each replay, exactly as the host would compute them for a normal launch. If any of those tensors is
 replaced (``load_state_dict``, a user's assignment), the step is captured again; outputs are cloned, since a
 replay rewrites the captured ones.
@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepGraph", "fill_table", "counters", "GRAPH_DEVICE", "RECORDER"]
+__all__ = ["StepGraph", "counters", "GRAPH_DEVICE", "RECORDER"]
 
 counters: Counter = Counter()
 
@@ -104,26 +104,3 @@ class StepGraph:
         self.replay()
         counters["replays"] += 1
         return [o.clone() for o in self.outputs]
-
-
-def fill_table(table: torch.Tensor, items) -> None:
-    """Write one step's scalars into ``table`` (fp32 [rows, width] on the device) and advance the scalar states.
-    ``items``: per row ``(rule, scalar_states, hparams)`` -- the values are ``rule_scalars``', bitwise what the
-    host passes a normal launch; the states advance as a normal launch advances them."""
-    from .kernels.wgrad_update_triton import rule_scalars
-
-    width = table.shape[1]
-    target = "cuda" if table.is_cuda else "interpret"     # the kernels' scalars differ by target (division)
-    rows = []
-    for rule, scalar_states, hparams in items:
-        values, new = rule_scalars(rule, scalar_states, hparams, target)
-        rows.append(list(values) + [0.0] * (width - len(values)))
-        for s, v in zip(scalar_states, new):
-            s.fill_(v)
-    host = torch.tensor(rows, dtype=torch.float32)
-    if table.is_cuda:
-        # pinned + non_blocking: stream-ordered before the replay, no host wait; the caching host allocator keeps
-        # the pinned block until the copy has run
-        table.copy_(host.pin_memory(), non_blocking=True)
-    else:
-        table.copy_(host)

@@ -144,10 +144,10 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
     """After a successful full launch under ``key``: on the key's second sighting build its entry.
 
     ``prepare()`` returns the full path's ``(kernel, grid, args, opts, ...)`` for the same arguments (it has no
-    side effects); ``ep`` None: a launch with a scalar table (no host scalars). The host scalars sit in ``args`` as one run; they are found by identity: host_scalars returns
-    the same list object for the same scalar-state and hyper-parameter values, so the list computed here is the
-    one ``prepare()`` places (not memoized -- CUDA scalar states -- means not found: the key stays on the full
-    path)."""
+    side effects); ``ep`` None: a launch with a scalar table (no host scalars). The host scalars sit in ``args``
+    as one run; they are found by identity: host_scalars returns the same list object for the same scalar-state
+    and hyper-parameter values, so the list computed here is the one ``prepare()`` places (not memoized -- CUDA
+    scalar states -- means not found: the key stays on the full path)."""
     if not ENABLED[0] or key in _ENTRIES:
         return
     if key not in _SEEN:

@@ -15,13 +15,13 @@ graphed step is CUDA-only.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
 from ..optim.rule import Rule, get_rule
 from .epilogue_codegen import compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,11 @@ def launch_rule_update(param, grad, tensor_states, table, rule: Rule) -> None:
     """param, grad and the tensor states: fp32, contiguous, one shape (any); ``table`` the rule's kernel scalars
     (``wgrad_update_triton.rule_scalars``) as an fp32 row on the parameter's device. Updates param and states in
     place; scalar states are the caller's (they are not inputs)."""
-    from .wgrad_update_triton import check_table
+    from .wgrad_update_triton import _interpreting, check_table
 
     interpret = not param.is_cuda
+    if interpret and not _interpreting():
+        raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
     ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
     if len(tensor_states) != len(ep.tensor_inputs) - 2:
         raise ValueError(f"forge: rule {rule.name!r} takes {len(ep.tensor_inputs) - 2} tensor states, got "
@@ -100,11 +102,6 @@ def launch_rule_update(param, grad, tensor_states, table, rule: Rule) -> None:
     kernel[grid](param, grad, *tensor_states, table, numel, BLOCK=BLOCK, enable_fp_fusion=False)
 
 
-def interpreting_on_cpu() -> bool:
-    """CPU tensors may go through the Triton kernels: Triton's interpreter is on and forge was asked to use it."""
-    return os.environ.get("FORGE_TRITON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # ----------------------------------------------------------------------------------------------------
 # op registration (as forge::wgrad_update_: torch.library.Library, impl under CompositeExplicitAutograd)
 
@@ -113,7 +110,7 @@ _LIB.define("rule_update_(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, Te
 
 
 def rule_update_(param, grad, states, scalars, rule):
-    if not param.is_cuda and not interpreting_on_cpu():
+    if not param.is_cuda and not triton_on_cpu():
         raise RuntimeError("forge::rule_update_ runs on CUDA tensors (on CPU only under Triton's interpreter, "
                            "FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
     launch_rule_update(param, grad.contiguous(), list(states), scalars, get_rule(rule))

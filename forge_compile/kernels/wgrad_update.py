@@ -27,7 +27,7 @@ from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape"]
+__all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape", "triton_on_cpu"]
 
 
 def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
@@ -41,7 +41,7 @@ def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch
 def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> None:
     """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed."""
     _check(weight, dy_t, x, states, rule)
-    if weight.is_cuda or _interpret_on_cpu():
+    if weight.is_cuda or triton_on_cpu():
         from .wgrad_update_triton import launch_wgrad_update
 
         launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule), grad_out=grad_out)
@@ -49,8 +49,9 @@ def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> 
         wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out)
 
 
-def _interpret_on_cpu() -> bool:
-    # FORGE_TRITON_CPU=1 routes CPU tensors through the Triton kernel under TRITON_INTERPRET=1 (tests).
+def triton_on_cpu() -> bool:
+    """FORGE_TRITON_CPU=1 routes CPU tensors through the Triton kernels, which then need TRITON_INTERPRET=1
+    (tests; the launchers refuse CPU tensors without the interpreter)."""
     import os
 
     return os.environ.get("FORGE_TRITON_CPU") == "1"
@@ -112,9 +113,7 @@ _LIB.define("wgrad_update_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tenso
 
 
 def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str) -> None:
-    from .rule_update import interpreting_on_cpu
-
-    if not weight.is_cuda and not interpreting_on_cpu():
+    if not weight.is_cuda and not triton_on_cpu():
         raise RuntimeError("forge::wgrad_update_table_ runs on CUDA tensors (on CPU only under Triton's "
                            "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
     _check_shapes(weight, dy_t, x)

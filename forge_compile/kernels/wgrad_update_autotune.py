@@ -74,8 +74,9 @@ def m_bucket(m: int) -> int:
 
 
 def _n_tensor_states(rule: Rule, states, table) -> int:
-    # ``states`` in the rule's order, or -- a launch reading a scalar table -- the tensor states alone
-    return len(states) if table is not None else sum(1 for i in range(len(states)) if not rule.is_scalar_state(i))
+    from .wgrad_update_triton import split_states
+
+    return len(split_states(rule, states, table)[0])
 
 
 def tune_key(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> str:
@@ -207,11 +208,10 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Ch
         # dY [M, N] row-major sliced to its first `rows` columns, contiguous again (TMA needs it), as dy_t
         dy_s = dy_t[:rows] if rows == weight.shape[0] else dy_t[:rows].t().contiguous().t()
     scalar0 = [s.clone() for i, s in enumerate(st_s) if scalar(i)]
-    kw = {} if table is None else {"table": table}
     best = None
     for c in cands:
         def run(c=c):
-            _launch_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s, **kw)
+            _launch_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s, table)
             # scalar states back to their value: every candidate and repetition sees the same host scalars
             for s, s0 in zip((s for i, s in enumerate(st_s) if scalar(i)), scalar0):
                 s.copy_(s0)

@@ -559,10 +559,9 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
             ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
         if ran_gluon:
             if memo_key is not None:
-                launch_memo.remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule,
-                                                                          grad_out, config=gcfg, table=table),
-                                     _memo_epilogue(wg._source_for(rule)[0], table), states, hparams,
-                                     _scalar_idx(rule, states, table))
+                _remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule, grad_out,
+                                                              config=gcfg, table=table),
+                          wg._source_for(rule)[0], states, hparams, table)
             return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, grad_out, config, table)
@@ -572,10 +571,8 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
     if memo_key is not None:
-        launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out,
-                                                              config, table),
-                             _memo_epilogue(_kernel_for(rule, "cuda")[0], table), states, hparams,
-                             _scalar_idx(rule, states, table))
+        _remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config, table),
+                  _kernel_for(rule, "cuda")[0], states, hparams, table)
 
 
 def rule_scalars(rule: Rule, scalar_states, hparams, target: str = "cuda"):
@@ -586,9 +583,13 @@ def rule_scalars(rule: Rule, scalar_states, hparams, target: str = "cuda"):
     return host_scalars(compile_epilogue(rule, target), list(scalar_states), list(hparams))
 
 
-def _memo_epilogue(ep: Epilogue, table):
-    # launch_memo computes host scalars from the entry's epilogue at every hit; a table launch has none
-    return ep if table is None else None
+def _remember(memo_key, rule: Rule, prepare, ep: Epilogue, states, hparams, table) -> None:
+    from . import launch_memo
+
+    if table is not None:   # launch_memo computes host scalars from ``ep`` at every hit; a table launch has none
+        launch_memo.remember(memo_key, rule, prepare, None, states, hparams, [])
+    else:
+        launch_memo.remember(memo_key, rule, prepare, ep, states, hparams, _scalar_idx(rule, states))
 
 
 def tune_candidates(n: int, k: int, m: int, upcast: bool) -> list[str]:
@@ -600,9 +601,7 @@ def tune_candidates(n: int, k: int, m: int, upcast: bool) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _scalar_idx(rule: Rule, states, table=None) -> list[int]:
-    if table is not None:
-        return []
+def _scalar_idx(rule: Rule, states) -> list[int]:
     return [i for i in range(len(states)) if rule.is_scalar_state(i)]
 
 

@@ -11,7 +11,7 @@ normal launch) from a row of one fp32 table on the device, which the step's runt
   tensor_states, table[row], rule)``: the rule's generated epilogue on the materialized gradient, bitwise eager
   ``rule.fn`` (kernels/rule_update.py) -- not the decomposed rule Inductor would compile.
 Row ``i`` belongs to optimizer plan ``i`` (the capture's plan order); the scalar states are then advanced by the
-runtime, not the graph. ``graph_replay_blocker`` says why a graph cannot be replayed (nothing is rewritten then).
+runtime (``fill_table``, before each call), not the graph. ``graph_replay_blocker`` says why a graph cannot be replayed (nothing is rewritten then).
 """
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ import torch.fx as fx
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
 from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
+from ..kernels.wgrad_update_triton import rule_scalars, split_states
 from .remat_for_backward import view_root, written_args
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width"]
+__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width", "fill_table"]
 
 counters: Counter = Counter()
 
@@ -156,7 +157,7 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
         states, hparams = _states_hparams(n)
         key = ([h for h in hparams if h in plan_of] + [s for s in states if s in plan_of])[0]
         row = plan_rows[plan_of[key]]
-        tensor_states = [s for i, s in enumerate(states) if not rule.is_scalar_state(i)]
+        tensor_states = split_states(rule, states)[0]
         with graph.inserting_before(n):
             sel = graph.call_function(aten.select.int, (table, 0, row))
             if fake is not None:
@@ -176,3 +177,26 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
     graph.lint()
     gm.recompile()
     return list(plan_rows), width
+
+
+def fill_table(table: torch.Tensor, items) -> None:
+    """Write one call's scalars into ``table`` (fp32 [rows, width] on the device) and advance the scalar states.
+    ``items``: per row ``(rule, states, hparams)``, the states in the rule's order -- the values are
+    ``rule_scalars``', bitwise what the host passes a normal launch; the scalar states advance as a normal launch
+    advances them."""
+    width = table.shape[1]
+    target = "cuda" if table.is_cuda else "interpret"     # the kernels' scalars differ by target (division)
+    rows = []
+    for rule, states, hparams in items:
+        scalar_states = split_states(rule, states)[1]
+        values, new = rule_scalars(rule, scalar_states, hparams, target)
+        rows.append(list(values) + [0.0] * (width - len(values)))
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+    host = torch.tensor(rows, dtype=torch.float32)
+    if table.is_cuda:
+        # pinned + non_blocking: stream-ordered before the replay, no host wait; the caching host allocator keeps
+        # the pinned block until the copy has run
+        table.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        table.copy_(host)
