@@ -1,7 +1,7 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist|math] [--plot PNG]
+                                                           splitovl|hoist|math|tf32] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -13,7 +13,9 @@ bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64.
 default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue alone (M=64) vs cuBLAS / torch's
 fused AdamW, bench_overlap.txt. "v12"/"v12b": v12 split configs; "splitovl" (split_overlap_sweep): where the split
 kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split; "math"
-(math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?).
+(math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?);
+"tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on
+(set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -142,8 +144,8 @@ def make_unfused(kind, rule, w, dy_t, x, st, hp):
     return fn, one_step
 
 
-def check_config(rule, w, dy_t, x, st, hp, config, launch=None):
-    """dW rel err vs fp64, W/states bit-exact vs eager on the stored dW; leaves the inputs untouched.
+def check_config(rule, w, dy_t, x, st, hp, config, launch=None, tol=1e-5):
+    """dW rel err vs fp64 (< ``tol``), W/states bit-exact vs eager on the stored dW; leaves the inputs untouched.
     ``launch`` (same arguments as launch_wgrad_update, no config) checks another kernel, e.g. the Gluon one."""
     w1, st1 = w.clone(), [s.clone() for s in st]
     grad = torch.full_like(w, float("nan"))
@@ -158,7 +160,7 @@ def check_config(rule, w, dy_t, x, st, hp, config, launch=None):
     with torch.no_grad():
         rule.apply(we, grad, ste, hp)
     exact = torch.equal(w1, we) and all(torch.equal(a, b) for a, b in zip(st1, ste))
-    ok = rel < 1e-5 and not grad.isnan().any().item() and exact
+    ok = rel < tol and not grad.isnan().any().item() and exact
     return ok, rel, exact, w1
 
 
@@ -575,6 +577,59 @@ def math_sweep(args, log):
     return all_ok
 
 
+TF32_MS = (256, 1024, 2048, 4096, 8192)
+
+
+def tf32_sweep(args, log):
+    """AdamW 4096x4096 with fp32 activations, one process: under torch.set_float32_matmul_precision("high") (TF32
+    allowed for fp32 matmuls) the unfused step's wgrad is cuBLAS in TF32, and forge's dot follows it
+    (wgrad_update_triton.fp32_dot_precision); with TF32 off (torch's default) both are IEEE fp32. Times the unfused
+    step and the fused kernel's pick (and the other TF32 configs) in both modes. Checks before timing: W/states
+    bit-exact vs eager on the stored dW; the stored dW within 5e-3 of fp64 in TF32 (10-bit mantissa inputs:
+    ~1e-3 relative) and, to show the TF32 dot really ran, farther than 1e-5 (an IEEE dot lands ~1e-6); within
+    1e-5 in IEEE. False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for m in TF32_MS:
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.float32, 4096, 4096, m, seed=m)
+            t = {}
+            for mode in ("ieee", "tf32"):
+                torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+                t[f"unfused/{mode}"] = bench(make_unfused("adamw", rule, w, dy_t, x, st, hp)[0])
+                pick = wt.pick_config(4096, 4096, m, False, True, mode == "tf32")
+                names = [pick] + ([c for c in wt.tune_candidates(4096, 4096, m, True, True) if c != pick]
+                                  if mode == "tf32" else [])
+                for c in names:
+                    ok, rel, exact = check_config(rule, w, dy_t, x, st, hp, c,
+                                                  tol=5e-3 if mode == "tf32" else 1e-5)[:3]
+                    if mode == "tf32" and rel <= 1e-5:
+                        ok = False
+                    if not ok:
+                        all_ok = False
+                        log(f"CHECK FAILED: {mode} {c} M={m}: dW rel {rel:.1e}, exact {exact}")
+                        continue
+                    t[f"{c}/{mode}"] = bench(wt.bound_launch(w, dy_t, x, st, hp, rule, config=c))
+                if f"{pick}/{mode}" in t:
+                    t[f"x/{mode}"] = t[f"unfused/{mode}"] / t[f"{pick}/{mode}"]
+            rows.append((m, t))
+            log(f"AdamW 4096x4096 fp32 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items()))
+            del w, dy_t, x, st
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    keys = list(dict.fromkeys(k for _, t in rows for k in t))
+    log("\n" + f"{'M':>6} " + " ".join(f"{k:>18}" for k in keys))
+    for m, t in rows:
+        log(f"{m:>6} " + " ".join(f"{t[k]:>18.4f}" if k in t else f"{'-':>18}" for k in keys))
+    return all_ok
+
+
 # ---- overlap diagnostic: the kernel's GEMM schedule alone (GConfig.epi="gemm") vs the fused kernel, one process ----
 
 OVERLAP_CASES = [(4096, 4096, (64, 256, 1024, 2048, 4096, 8192)), (14336, 4096, (64, 2048))]
@@ -707,7 +762,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
-                                                                 "math"])
+                                                                 "math", "tf32"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -729,10 +784,10 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math"):
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32"):
         ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
-              "hoist": hoist_sweep, "math": math_sweep}[args.cases](args, log)
+              "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

@@ -1,4 +1,4 @@
-"""Compile forge's Gluon wgrad+update kernels for sm_90 on a machine without a GPU: smem, registers, spills, SASS.
+"""Compile forge's Gluon (and, with --triton, Triton) wgrad+update kernels for sm_90 on a machine without a GPU: smem, registers, spills, SASS.
 
 Why: device time is scarce and the CPU sessions change kernels. This answers, before any GPU run, whether a change
 compiles, what it costs in registers/spills/smem, and -- by a hash of the SASS with addresses stripped -- whether a
@@ -58,7 +58,10 @@ def _specs(args):
     layouts = {"tma": wg.GConfig(), "smem": wg.smem_config(), "split": wg.split_config(),
                "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config()}
     for rname in args.rules.split(","):
-        for lname in args.layouts.split(","):
+        for cname in filter(None, args.triton.split(",")):
+            yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
+                  f"{'/tf32' if args.tf32 else ''}", rules[rname], cname, "triton", False
+        for lname in filter(lambda v: v != "none", args.layouts.split(",")):
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
                 for dw in ((False, True) if args.grad_out else (False,)):
                     yield f"{rname}/{lname}{'/table' if table else ''}{'/dw' if dw else ''}", rules[rname], \
@@ -75,12 +78,13 @@ def _sass_digest(cubin: bytes, cuobjdump: str):
         raise RuntimeError("cuobjdump: " + r.stderr[-800:])
     # instruction text only: "/*0a40*/  IMAD ... ;  /* 0x... */" -> "IMAD ... ;"
     ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?;)", r.stdout)]
-    return len(ins), hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], sum("F2I" in i for i in ins)
+    # the tensor-core instruction the GEMM compiled to (HGMMA: wgmma; HMMA: mma.sync; none: FMA)
+    mma = next((op for op in ("HGMMA", "HMMA") if any(i.startswith(op) for i in ins)), "-")
+    return (len(ins), hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], sum("F2I" in i for i in ins),
+            mma)
 
 
 def compile_one(rule, cfg, table, dw, n, k, m):
-    from triton.backends.nvidia.compiler import get_ptxas
-
     from forge_compile.kernels import wgrad_update_gluon as wg
     from forge_compile.kernels.epilogue_codegen import compile_epilogue
     from forge_compile.kernels.wgrad_update_triton import split_states
@@ -101,6 +105,29 @@ def compile_one(rule, cfg, table, dw, n, k, m):
     kernel, grid, kargs, opts = wg._prepare(w, dy.t(), x, states, hp, rule, grad, config=cfg, max_ctas=132,
                                             table=tab)[:4]
     ck = kernel.warmup(*kargs, grid=grid, **opts)
+    return _ptxas_row(ck)
+
+
+def compile_triton(rule, name, act, tf32, n, k, m):
+    """The Triton kernel (config ``name``) for sm_90: as compile_one, the launch prepared on CPU tensors."""
+    from forge_compile.kernels import wgrad_update_triton as wt
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen)
+    tensor_states = [torch.rand(n, k, generator=gen) for i in range(len(rule.states)) if not rule.is_scalar_state(i)]
+    dy = torch.randn(m, n, generator=gen).to(act)
+    x = torch.randn(m, k, generator=gen).to(act)
+    ep, kernel = wt._kernel_for(rule, "cuda")
+    upcast = act == torch.float32
+    grid, kargs, opts = wt.launch_spec(wt.CONFIGS[name], w, dy.t(), x, tensor_states, None,
+                                       [0.5] * ep.n_kernel_scalars, upcast, False, tf32)
+    ck = kernel.warmup(*kargs, grid=grid, **opts)
+    return _ptxas_row(ck)
+
+
+def _ptxas_row(ck):
+    from triton.backends.nvidia.compiler import get_ptxas
+
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
@@ -113,9 +140,9 @@ def compile_one(rule, cfg, table, dw, n, k, m):
     spills = max((int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
                                                           r.stderr)), default=0)
     cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    n_ins, digest, f2i = _sass_digest(ck.asm["cubin"], cuobjdump)
+    n_ins, digest, f2i, mma = _sass_digest(ck.asm["cubin"], cuobjdump)
     return dict(smem_kb=round(ck.metadata.shared / 1024, 1), regs=max(regs, default=0), spills=spills,
-                sass=n_ins, f2i=f2i, digest=digest)
+                sass=n_ins, f2i=f2i, mma=mma, digest=digest)
 
 
 def main(argv=None):
@@ -126,6 +153,10 @@ def main(argv=None):
                     help="kernels taking their scalars as arguments (off), from a table row (on), or both")
     ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
     ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
+    ap.add_argument("--triton", default="", help="also (or, with --layouts none, only) these Triton kernel configs")
+    ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="activation dtype of the --triton compiles")
+    ap.add_argument("--tf32", action="store_true", help="--triton with float32: the TF32 dot (DOT_PREC)")
     ap.add_argument("--save", help="write the rows as JSON")
     ap.add_argument("--compare", help="a JSON from --save: report whose SASS changed")
     args = ap.parse_args(argv)
@@ -135,14 +166,16 @@ def main(argv=None):
     for name, rule, cfg, table, dw in _specs(args):
         t0 = time.time()
         try:
-            row = compile_one(rule, cfg, table, dw, n, k, m)
+            row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, n, k, m) if table == "triton"
+                   else compile_one(rule, cfg, table, dw, n, k, m))
         except Exception as e:   # report and go on
             failed.append(name)
             print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[-1200:]}", flush=True)
             continue
         rows[name] = row
         print(f"{name:28s} smem {row['smem_kb']:6.1f} KB  regs {row['regs']:3d}  spills {row['spills']:4d} B  "
-              f"SASS {row['sass']:5d} (F2I {row['f2i']:2d})  {row['digest']}  {time.time() - t0:.0f}s", flush=True)
+              f"SASS {row['sass']:5d} (F2I {row['f2i']:2d}, {row['mma']:5s})  {row['digest']}  "
+              f"{time.time() - t0:.0f}s", flush=True)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(rows, f, indent=1)

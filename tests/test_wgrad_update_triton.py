@@ -116,7 +116,7 @@ def _check_against_reference(rule, n, k, m, dtype, device, tol):
         torch.testing.assert_close(s, r, rtol=tol, atol=tol)
 
 
-def _check_exact(rule, n, k, m, dtype, device, config=None):
+def _check_exact(rule, n, k, m, dtype, device, config=None, dw_tol=1e-5):
     w, dy_t, x, states, hp = _make(rule, n, k, m, dtype, device, seed=1)
     w_e, st_e = _clone(w, states)
     grad = torch.full((n, k), float("nan"), device=device)  # poisoned: every element must be written
@@ -128,12 +128,14 @@ def _check_exact(rule, n, k, m, dtype, device, config=None):
         launch_wgrad_update(w, dy_t, x, states, hp, rule, grad_out=grad, config=config)
     assert not grad.isnan().any()
     ref = dy_t.double() @ x.double()
-    assert ((grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+    rel = ((grad.double() - ref).norm() / ref.norm()).item()
+    assert rel < dw_tol
     with torch.no_grad(), (CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext()):
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} of {w.numel()} elements"
     for s, e in zip(states, st_e):
         assert torch.equal(s, e), f"state differs in {(s != e).sum().item()} elements"
+    return rel
 
 
 # ---- interpreter on CPU ------------------------------------------------------------------------------
@@ -271,3 +273,89 @@ def test_cuda_every_config_exact(rule, config, shape):
 @pytest.mark.parametrize("config", [None, "t64m128", "t128e4"])
 def test_cuda_fp32_activations_exact(config):
     _check_exact(ADAMW, 1000, 777, 333, torch.float32, "cuda", config=config)
+
+
+@contextlib.contextmanager
+def _tf32(on: bool):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+# ---- fp32 activations follow torch's fp32 matmul precision (TF32 or IEEE), as the unfused cuBLAS wgrad does ----
+
+def test_fp32_dot_precision_follows_torch():
+    from forge_compile.kernels import wgrad_update_triton as wt
+
+    f32, b16 = torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)
+    with _tf32(False):
+        assert wt.fp32_dot_precision(f32, f32) == "ieee"
+        assert wt.fp32_dot_precision(b16, f32) == "ieee"   # mixed: upcast to an fp32 dot
+        assert wt.fp32_dot_precision(b16, b16) == ""
+    with _tf32(True):
+        torch.set_float32_matmul_precision("highest")   # the public switch users set, not just the flag
+        try:
+            assert wt.fp32_dot_precision(f32, f32) == "ieee"
+            torch.set_float32_matmul_precision("high")
+            assert wt.fp32_dot_precision(f32, f32) == "tf32"
+            assert wt.fp32_dot_precision(b16, b16) == ""
+        finally:
+            torch.set_float32_matmul_precision("highest")
+
+
+def test_tf32_launch_spec_and_configs():
+    from forge_compile.kernels import wgrad_update_triton as wt
+
+    assert wt.pick_config(4096, 4096, 2048, False, upcast=True) == "tf64m32"
+    assert wt.pick_config(4096, 4096, 2048, False, upcast=True, tf32=True) == "tf32_128"
+    assert wt.pick_config(4096, 4096, 2048, True, upcast=True, tf32=True) == "interp"
+    assert wt.tune_candidates(4096, 4096, 2048, True, tf32=True)[0] == "tf32_128"
+    assert wt.tune_candidates(4096, 4096, 2048, True) == ["tf64m32"]
+    w, x, dy = torch.zeros(64, 64), torch.zeros(32, 64), torch.zeros(32, 64)
+    states = [torch.zeros(64, 64), torch.zeros(64, 64)]
+    for tf32, prec in ((False, "ieee"), (True, "tf32")):
+        opts = wt.launch_spec(wt.CONFIGS["tf32_128"], w, dy.t(), x, states, None, [1.0] * 5, True, False, tf32)[2]
+        assert opts["DOT_PREC"] == prec and opts["UPCAST"]
+
+
+def test_tf32_is_part_of_the_autotune_key():
+    # an IEEE launch must never reuse a choice (or a memo entry) tuned under TF32, nor the other way round
+    from forge_compile.kernels import wgrad_update_autotune as at
+
+    w, states = torch.zeros(64, 64), [torch.zeros(64, 64), torch.zeros(64, 64), torch.tensor(1.0)]
+    f32 = (torch.zeros(64, 32).t(), torch.zeros(32, 64))
+    b16 = (f32[0].bfloat16(), f32[1].bfloat16())
+    with _tf32(False):
+        k_ieee, k_b16 = at.tune_key(ADAMW, w, *f32, states, None), at.tune_key(ADAMW, w, *b16, states, None)
+    with _tf32(True):
+        k_tf32, k_b16_on = at.tune_key(ADAMW, w, *f32, states, None), at.tune_key(ADAMW, w, *b16, states, None)
+    assert k_ieee != k_tf32
+    assert k_b16 == k_b16_on     # bf16 activations do not depend on the setting
+
+
+@cuda
+@pytest.mark.parametrize("config", [None, "tf32_128", "tf32_64x256", "tf32_64x128"])
+def test_cuda_fp32_activations_tf32(config):
+    # TF32 allowed: the dot runs in TF32 like cuBLAS's (dW within TF32's ~1e-3 of fp64, and farther than an IEEE
+    # dot's ~1e-6 -- so TF32 really ran), the update still bit-exact on the dW it stored
+    with _tf32(True):
+        rel = _check_exact(ADAMW, 1000, 777, 333, torch.float32, "cuda", config=config, dw_tol=5e-3)
+    assert rel > 1e-5, f"dW rel err {rel:.1e}: an IEEE dot, not TF32"
+
+
+@cuda
+def test_cuda_tf32_switch_after_a_launch():
+    # the same tensors launched under TF32, then under IEEE: the launch memo must not replay the TF32 kernel
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
+
+    w, dy_t, x, states, hp = _make(ADAMW, 512, 512, 256, torch.float32, "cuda", seed=2)
+    ref = dy_t.double() @ x.double()
+    for on, lo, hi in ((True, 1e-5, 5e-3), (False, 0.0, 1e-5), (True, 1e-5, 5e-3)):
+        grad = torch.full((512, 512), float("nan"), device="cuda")
+        with _tf32(on):
+            launch_wgrad_update(w, dy_t, x, states, hp, ADAMW, grad_out=grad)
+        rel = ((grad.double() - ref).norm() / ref.norm()).item()
+        assert lo < rel < hi, (on, rel)

@@ -87,8 +87,12 @@ def tune_key(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> str:
     n, k = weight.shape
     n_ts = _n_tensor_states(rule, states, table)
     dev = torch.cuda.get_device_name(weight.device) if weight.is_cuda else str(weight.device)
+    from .wgrad_update_triton import fp32_dot_precision
+
+    # the fp32 dot's precision: IEEE and TF32 launches are different kernels with different winners
+    prec = fp32_dot_precision(dy_t, x)
     return "|".join(map(str, (rule.name, n, k, m_bucket(x.shape[0]), str(dy_t.dtype), str(x.dtype), n_ts,
-                              grad_out is not None, dev, triton.__version__)))
+                              grad_out is not None, dev, triton.__version__) + ((prec,) if prec else ())))
 
 
 def _cache_file() -> str:
@@ -159,7 +163,7 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> lis
         out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out, table),
                                                                    x.element_size())]
     upcast = dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
-    names = wt.tune_candidates(n, k, m, upcast)
+    names = wt.tune_candidates(n, k, m, upcast, wt.fp32_dot_precision(dy_t, x) == "tf32")
     # beside the Gluon kernel only the Triton table's own pick: the other configs lost to both at every point
     # measured (RESULTS.md runs 6-7) and each costs a compile at tuning
     out += [Choice("triton", name) for name in (names[:1] if out else names)]

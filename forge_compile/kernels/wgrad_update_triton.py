@@ -120,8 +120,8 @@ def wgrad_update_kernel(
     {kernel_scalar_params}N, K, M,
     stride_dn, stride_dm, stride_xm, stride_xk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_NK: tl.constexpr, UPCAST: tl.constexpr, STORE_GRAD: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_GRAD: tl.constexpr, EPI_SPLIT: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
 ):
 {scalar_loads}    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
     # programs reuse dy_t and x panels from L2.
@@ -176,8 +176,9 @@ def wgrad_update_kernel(
             a = tl.load(a_ptrs, mask=(m0 + rm)[None, :] < M, other=0.0)
             b = tl.load(b_ptrs, mask=(m0 + rm)[:, None] < M, other=0.0)
         if UPCAST:
-            # fp32 inputs, or the interpreter (its bf16 dot multiplies bit patterns): fp32 IEEE dot
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            # fp32 inputs, or the interpreter (its bf16 dot multiplies bit patterns): an fp32 dot in the
+            # precision torch.mm takes for fp32 (fp32_dot_precision: IEEE, or TF32 where torch allows it)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_M * stride_dm
@@ -383,21 +384,27 @@ CONFIGS: dict[str, Config] = {
     "t128e4": Config(128, 128, 64, 8, 8, 3, split=4, tma=True),
     "t128x256e4": Config(128, 256, 64, 8, 8, 3, split=4, tma=True),
     "tf64m32": Config(64, 64, 32, 8, 4, 3, tma=True),       # fp32 activations (IEEE FMA dot)
+    # fp32 activations with TF32 allowed (tensor-core dot on fp32 operands: twice the smem per stage of bf16,
+    # hence 32-token stages); chosen from sm_90 compiles, not yet from an H200 sweep
+    "tf32_128": Config(128, 128, 32, 8, 8, 3, split=4, tma=True),
+    "tf32_64x256": Config(64, 256, 32, 8, 8, 3, split=4),
+    "tf32_64x128": Config(64, 128, 32, 8, 4, 4, tma=True),
     # v3: software-pipelined split epilogue (pointer path)
     "l64x256e4p1": Config(64, 256, 64, 8, 8, 4, split=4, pipe=1),
     "l64x256e4p2": Config(64, 256, 64, 8, 8, 4, split=4, pipe=2),
 }
 
 
-def pick_config(n: int, k: int, m: int, interpret: bool, upcast: bool = False) -> str:
+def pick_config(n: int, k: int, m: int, interpret: bool, upcast: bool = False, tf32: bool = False) -> str:
     """Config by shape bucket; M only enters as a bucket, so a new batch size never retunes.
 
-    Table from the H200 sweeps in benchmarks/RESULTS.md (fp32 states; bf16 or fp32 activations).
+    Table from the H200 sweeps in benchmarks/RESULTS.md (fp32 states; bf16 or fp32 activations). ``tf32``: fp32
+    activations whose dot runs in TF32 (``fp32_dot_precision``).
     """
     if interpret:
         return "interp"
     if upcast:
-        return "tf64m32"
+        return "tf32_128" if tf32 else "tf64m32"
     # H200 run 5 (RESULTS.md): 64x256 tiles with the epilogue in four 64x64 chunks (few L2 re-reads of dY/X,
     # no spills), software-pipelined (next chunk's W/states loaded before this chunk's math; chunk 0 before
     # the token loop) up to M=1024, plain chunks at M=2048; 128x128 TMA tiles (2 programs per SM) above.
@@ -410,6 +417,17 @@ def pick_config(n: int, k: int, m: int, interpret: bool, upcast: bool = False) -
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fp32_dot_precision(dy_t, x) -> str:
+    """The precision of the GEMM on fp32 (or mixed, upcast) activations on the GPU: the one torch.mm takes for an
+    fp32 matmul there, so the fused step is the unfused step's function -- "tf32" (tensor cores, 10-bit
+    mantissa inputs) where torch allows TF32 for fp32 matmuls (``torch.backends.cuda.matmul.allow_tf32``, which
+    ``torch.set_float32_matmul_precision("high")`` sets), else "ieee". "" for bf16/fp16 activations, whose dot
+    ignores it. Read at every launch (it is part of the launch memo's and autotune's keys), as cuBLAS reads it."""
+    if dy_t.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return ""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def split_states(rule: Rule, states, table=None):
@@ -467,13 +485,16 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, tab
         m = 1
 
     upcast = interpret or dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
-    cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast)]
-    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, grad_out, scalars, upcast, interpret)
+    # the interpreter's dot is numpy's fp32 matmul whatever the precision: IEEE is what it computes
+    tf32 = not interpret and fp32_dot_precision(dy_t, x) == "tf32"
+    cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
+    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, grad_out, scalars, upcast, interpret, tf32)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
-def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, upcast: bool, interpret: bool):
-    """grid, positional args and keyword options of one kernel launch."""
+def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, upcast: bool, interpret: bool,
+                tf32: bool = False):
+    """grid, positional args and keyword options of one kernel launch (``tf32``: the upcast dot in TF32)."""
     n, k = weight.shape
     m = x.shape[0]
     grid = (triton_cdiv(n, cfg.bn) * triton_cdiv(k, cfg.bk),)
@@ -491,7 +512,7 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, 
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
         EVEN_M=(m % cfg.bm == 0), EVEN_NK=(n % cfg.bn == 0 and k % cfg.bk == 0), UPCAST=upcast,
-        STORE_GRAD=grad_out is not None, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
+        DOT_PREC="tf32" if tf32 else "ieee", STORE_GRAD=grad_out is not None, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
         PIPE=0 if tma else cfg.pipe,
         num_warps=cfg.warps, num_stages=cfg.stages,
         # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
@@ -537,7 +558,8 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
         tuned = autotune.enabled()
         if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
             # the kind: everything of the kernel choice that is not in the tensors' properties
-            kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None)
+            kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None,
+                    fp32_dot_precision(dy_t, x))
             memo_states = states if table is None else (*states, table)
             memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, grad_out)
             if launch_memo.lookup(memo_key, states, hparams):
@@ -592,9 +614,11 @@ def _remember(memo_key, rule: Rule, prepare, ep: Epilogue, states, hparams, tabl
         launch_memo.remember(memo_key, rule, prepare, ep, states, hparams, _scalar_idx(rule, states))
 
 
-def tune_candidates(n: int, k: int, m: int, upcast: bool) -> list[str]:
+def tune_candidates(n: int, k: int, m: int, upcast: bool, tf32: bool = False) -> list[str]:
     """Configs worth timing for a launch (wgrad_update_autotune): the table's pick first, then the other winners
     of the H200 sweeps (benchmarks/RESULTS.md runs 4-5; the losers of those sweeps are not worth compiling)."""
+    if upcast and tf32:
+        return ["tf32_128", "tf32_64x256", "tf32_64x128"]
     if upcast:
         return ["tf64m32"]
     names = [pick_config(n, k, m, False), "l64x256e4p2", "l64x256e4", "t128e4", "t64x128"]
