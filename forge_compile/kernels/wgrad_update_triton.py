@@ -389,6 +389,10 @@ CONFIGS: dict[str, Config] = {
     "tf32_128": Config(128, 128, 32, 8, 8, 3, split=4, tma=True),
     "tf32_64x256": Config(64, 256, 32, 8, 8, 3, split=4),
     "tf32_64x128": Config(64, 128, 32, 8, 4, 4, tma=True),
+    # fp32 activations, IEEE: larger FMA tiles than tf64m32 (more outputs per thread per operand load), candidates
+    # for the next H200 sweep (bench --cases tf32), not picked
+    "f128x128": Config(128, 128, 16, 8, 8, 4, split=4, tma=True),
+    "f64x128": Config(64, 128, 32, 8, 8, 3, tma=True),
     # v3: software-pipelined split epilogue (pointer path)
     "l64x256e4p1": Config(64, 256, 64, 8, 8, 4, split=4, pipe=1),
     "l64x256e4p2": Config(64, 256, 64, 8, 8, 4, split=4, pipe=2),
