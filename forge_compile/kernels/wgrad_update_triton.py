@@ -359,6 +359,8 @@ class Config:
     pipe: int = 0           # PIPE (pointer path, split > 1): 1 = chunk c+1 loaded before chunk c's math,
                             # 2 = and chunk 0 loaded before the token loop
     maxnreg: int | None = None
+    fp32_dot: str = "tf32"  # fp32 activations where torch allows TF32: "tf32", or "bf16x3" (each fp32 operand as two
+                            # bf16 halves, three bf16 MMAs: ~16 mantissa bits, also within torch's "high")
 
 
 CONFIGS: dict[str, Config] = {
@@ -389,6 +391,8 @@ CONFIGS: dict[str, Config] = {
     "tf32_128": Config(128, 128, 32, 8, 8, 3, split=4, tma=True),
     "tf32_64x256": Config(64, 256, 32, 8, 8, 3, split=4),
     "tf32_64x128": Config(64, 128, 32, 8, 4, 4, tma=True),
+    "bx3_128": Config(128, 128, 32, 8, 8, 3, split=4, tma=True, fp32_dot="bf16x3"),
+    "bx3_64x256": Config(64, 256, 32, 8, 8, 3, split=4, fp32_dot="bf16x3"),
     # fp32 activations, IEEE: larger FMA tiles than tf64m32 (more outputs per thread per operand load), candidates
     # for the next H200 sweep (bench --cases tf32), not picked
     "f128x128": Config(128, 128, 16, 8, 8, 4, split=4, tma=True),
@@ -516,7 +520,7 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, 
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
         EVEN_M=(m % cfg.bm == 0), EVEN_NK=(n % cfg.bn == 0 and k % cfg.bk == 0), UPCAST=upcast,
-        DOT_PREC="tf32" if tf32 else "ieee", STORE_GRAD=grad_out is not None, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
+        DOT_PREC=cfg.fp32_dot if tf32 else "ieee", STORE_GRAD=grad_out is not None, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
         PIPE=0 if tma else cfg.pipe,
         num_warps=cfg.warps, num_stages=cfg.stages,
         # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
@@ -622,7 +626,7 @@ def tune_candidates(n: int, k: int, m: int, upcast: bool, tf32: bool = False) ->
     """Configs worth timing for a launch (wgrad_update_autotune): the table's pick first, then the other winners
     of the H200 sweeps (benchmarks/RESULTS.md runs 4-5; the losers of those sweeps are not worth compiling)."""
     if upcast and tf32:
-        return ["tf32_128", "tf32_64x256", "tf32_64x128"]
+        return ["tf32_128", "tf32_64x256", "tf32_64x128", "bx3_128", "bx3_64x256"]
     if upcast:
         return ["tf64m32"]
     names = [pick_config(n, k, m, False), "l64x256e4p2", "l64x256e4", "t128e4", "t64x128"]
