@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHAPES = [(32000, 2048), (4096, 4096), (2048,)]
 HP = (1e-3, 0.9, 0.999, 1e-8, 0.01)   # lr, beta1, beta2, eps, weight_decay
+VARIANTS = [(1024, 4), (2048, 4), (4096, 8), (8192, 8)]   # (elements per program, warps); the first is the default
 
 
 def main():
@@ -58,7 +59,6 @@ def main():
         pk, mk, vk = p.clone(), m.clone(), v.clone()
         launch_rule_update(pk, grad, [mk, vk], table, rule)
         exact = torch.equal(pk, pe) and torch.equal(mk, me) and torch.equal(vk, ve)
-        ok_all &= exact
         stepf = torch.tensor(11.0, device="cuda")
 
         def fused():
@@ -66,11 +66,17 @@ def main():
                                 weight_decay=HP[4], eps=HP[3], amsgrad=False, maximize=False)
 
         t_f = do_bench(fused, warmup=10, rep=args.rep, return_mode="median")
-        t_r = do_bench(lambda: launch_rule_update(pk, grad, [mk, vk], table, rule), warmup=10, rep=args.rep,
-                       return_mode="median")
-        gbs = 7 * p.numel() * 4 / (t_r * 1e-3) / 1e9
-        lines.append(f"{'x'.join(map(str, shape)):>12} {t_f:15.4f} {t_r:15.4f} {t_f / t_r:7.2f} {gbs:17.0f} {exact}")
-        print(lines[-1], flush=True)
+        for block, warps in VARIANTS:
+            pv, mv, vv = p.clone(), m.clone(), v.clone()
+            launch_rule_update(pv, grad, [mv, vv], table, rule, block=block, num_warps=warps)
+            same = torch.equal(pv, pe) and torch.equal(mv, me) and torch.equal(vv, ve)
+            ok_all &= same and exact
+            t_r = do_bench(lambda: launch_rule_update(pk, grad, [mk, vk], table, rule, block=block,
+                                                      num_warps=warps), warmup=10, rep=args.rep, return_mode="median")
+            gbs = 7 * p.numel() * 4 / (t_r * 1e-3) / 1e9
+            lines.append(f"{'x'.join(map(str, shape)):>12} {t_f:15.4f} {t_r:15.4f} {t_f / t_r:7.2f} {gbs:17.0f} "
+                         f"{exact and same}  block {block} warps {warps}")
+            print(lines[-1], flush=True)
     lines.append(f"checks {'OK' if ok_all else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_rule_update.txt"), "w") as f:

@@ -76,10 +76,11 @@ def _kernel_for(rule: Rule, target: str):
 # launcher
 
 
-def launch_rule_update(param, grad, tensor_states, table, rule: Rule) -> None:
+def launch_rule_update(param, grad, tensor_states, table, rule: Rule, *, block: int = 0, num_warps: int = 4) -> None:
     """param, grad and the tensor states: fp32, contiguous, one shape (any); ``table`` the rule's kernel scalars
     (``wgrad_update_triton.rule_scalars``) as an fp32 row on the parameter's device. Updates param and states in
-    place; scalar states are the caller's (they are not inputs)."""
+    place; scalar states are the caller's (they are not inputs). ``block`` (default BLOCK) and ``num_warps``:
+    elements per program and its warps (benchmarks/bench_rule_update.py compares them)."""
     from .wgrad_update_triton import _interpreting, check_table
 
     interpret = not param.is_cuda
@@ -97,9 +98,10 @@ def launch_rule_update(param, grad, tensor_states, table, rule: Rule) -> None:
     numel = param.numel()
     if numel == 0:
         return
-    grid = (-(-numel // BLOCK),)
+    block = block or BLOCK
+    grid = (-(-numel // block),)
     # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
-    kernel[grid](param, grad, *tensor_states, table, numel, BLOCK=BLOCK, enable_fp_fusion=False)
+    kernel[grid](param, grad, *tensor_states, table, numel, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
 
 
 # ----------------------------------------------------------------------------------------------------
