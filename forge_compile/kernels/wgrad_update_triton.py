@@ -438,6 +438,18 @@ def fp32_dot_precision(dy_t, x) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+_TF32_WARNED: list[bool] = []
+
+
+def _warn_tf32_once() -> None:
+    # the fused step is exact but SLOW in this regime; users choosing TF32 chose speed, so say it once
+    if not _TF32_WARNED:
+        _TF32_WARNED.append(True)
+        log.warning("forge: fp32 activations with TF32 allowed: the fused wgrad+update runs its GEMM in TF32 as "
+                    "torch.mm would, but measured 0.19-0.55x of cuBLAS TF32 + torch's fused AdamW on the H200 "
+                    "(4096x4096, benchmarks/RESULTS.md); bf16 autocast is the regime where fusion is faster")
+
+
 def split_states(rule: Rule, states, table=None):
     """(tensor states, scalar states) of a launch: ``states`` in the rule's order, or -- a launch reading its
     scalars from a ``table`` row -- the tensor states alone (the caller keeps the scalar states)."""
@@ -495,6 +507,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, tab
     upcast = interpret or dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
     # the interpreter's dot is numpy's fp32 matmul whatever the precision: IEEE is what it computes
     tf32 = not interpret and fp32_dot_precision(dy_t, x) == "tf32"
+    if tf32:
+        _warn_tf32_once()
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
     grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, grad_out, scalars, upcast, interpret, tf32)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
