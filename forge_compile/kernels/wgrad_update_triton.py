@@ -387,7 +387,8 @@ CONFIGS: dict[str, Config] = {
     "t128x256e4": Config(128, 256, 64, 8, 8, 3, split=4, tma=True),
     "tf64m32": Config(64, 64, 32, 8, 4, 3, tma=True),       # fp32 activations (IEEE FMA dot)
     # fp32 activations with TF32 allowed (tensor-core dot on fp32 operands: twice the smem per stage of bf16,
-    # hence 32-token stages); chosen from sm_90 compiles, not yet from an H200 sweep
+    # hence 32-token stages). H200: the tf32 dots are no faster than IEEE FMA (MN-major fp32 operands), the
+    # bf16x3 ones 1.1-2x faster (bx3_128 picked); all slower than cuBLAS TF32 + fused AdamW (RESULTS.md)
     "tf32_128": Config(128, 128, 32, 8, 8, 3, split=4, tma=True),
     "tf32_64x256": Config(64, 256, 32, 8, 8, 3, split=4),
     "tf32_64x128": Config(64, 128, 32, 8, 4, 4, tma=True),
@@ -412,7 +413,8 @@ def pick_config(n: int, k: int, m: int, interpret: bool, upcast: bool = False, t
     if interpret:
         return "interp"
     if upcast:
-        return "tf32_128" if tf32 else "tf64m32"
+        # H200 (RESULTS.md "fp32 activations under TF32"): the bf16x3 dot 1.1-2x faster than the TF32 one
+        return "bx3_128" if tf32 else "tf64m32"
     # H200 run 5 (RESULTS.md): 64x256 tiles with the epilogue in four 64x64 chunks (few L2 re-reads of dY/X,
     # no spills), software-pipelined (next chunk's W/states loaded before this chunk's math; chunk 0 before
     # the token loop) up to M=1024, plain chunks at M=2048; 128x128 TMA tiles (2 programs per SM) above.
@@ -445,9 +447,10 @@ def _warn_tf32_once() -> None:
     # the fused step is exact but SLOW in this regime; users choosing TF32 chose speed, so say it once
     if not _TF32_WARNED:
         _TF32_WARNED.append(True)
-        log.warning("forge: fp32 activations with TF32 allowed: the fused wgrad+update runs its GEMM in TF32 as "
-                    "torch.mm would, but measured 0.19-0.55x of cuBLAS TF32 + torch's fused AdamW on the H200 "
-                    "(4096x4096, benchmarks/RESULTS.md); bf16 autocast is the regime where fusion is faster")
+        log.warning("forge: fp32 activations with TF32 allowed: the fused wgrad+update runs its GEMM at TF32-or-"
+                    "better precision (bf16x3) as torch's 'high' allows, but measured 0.40-0.58x of cuBLAS TF32 + "
+                    "torch's fused AdamW on the H200 (4096x4096, benchmarks/RESULTS.md); bf16 autocast is the "
+                    "regime where fusion is faster")
 
 
 def split_states(rule: Rule, states, table=None):
@@ -640,7 +643,7 @@ def tune_candidates(n: int, k: int, m: int, upcast: bool, tf32: bool = False) ->
     """Configs worth timing for a launch (wgrad_update_autotune): the table's pick first, then the other winners
     of the H200 sweeps (benchmarks/RESULTS.md runs 4-5; the losers of those sweeps are not worth compiling)."""
     if upcast and tf32:
-        return ["tf32_128", "tf32_64x256", "tf32_64x128", "bx3_128", "bx3_64x256"]
+        return ["bx3_128", "bx3_64x256", "tf32_128"]
     if upcast:
         return ["tf64m32"]
     names = [pick_config(n, k, m, False), "l64x256e4p2", "l64x256e4", "t128e4", "t64x128"]
