@@ -56,9 +56,7 @@ def main():
         pe, me, ve = p.clone(), m.clone(), v.clone()
         with torch.no_grad():
             rule.apply(pe, grad, [step.clone(), me, ve], hp)
-        pk, mk, vk = p.clone(), m.clone(), v.clone()
-        launch_rule_update(pk, grad, [mk, vk], table, rule)
-        exact = torch.equal(pk, pe) and torch.equal(mk, me) and torch.equal(vk, ve)
+        pk, mk, vk = p.clone(), m.clone(), v.clone()   # timed on (each variant checked on fresh copies below)
         stepf = torch.tensor(11.0, device="cuda")
 
         def fused():
@@ -70,12 +68,12 @@ def main():
             pv, mv, vv = p.clone(), m.clone(), v.clone()
             launch_rule_update(pv, grad, [mv, vv], table, rule, block=block, num_warps=warps)
             same = torch.equal(pv, pe) and torch.equal(mv, me) and torch.equal(vv, ve)
-            ok_all &= same and exact
+            ok_all &= same
             t_r = do_bench(lambda: launch_rule_update(pk, grad, [mk, vk], table, rule, block=block,
                                                       num_warps=warps), warmup=10, rep=args.rep, return_mode="median")
             gbs = 7 * p.numel() * 4 / (t_r * 1e-3) / 1e9
             lines.append(f"{'x'.join(map(str, shape)):>12} {t_f:15.4f} {t_r:15.4f} {t_f / t_r:7.2f} {gbs:17.0f} "
-                         f"{exact and same}  block {block} warps {warps}")
+                         f"{same}  block {block} warps {warps}")
             print(lines[-1], flush=True)
     lines.append(f"checks {'OK' if ok_all else 'FAILED'}")
     os.makedirs(args.out, exist_ok=True)

@@ -162,8 +162,8 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> lis
     if wg.use_gluon(weight, dy_t, x, states, rule, grad_out, table):
         out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out, table),
                                                                    x.element_size())]
-    upcast = dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
-    names = wt.tune_candidates(n, k, m, upcast, wt.fp32_dot_precision(dy_t, x) == "tf32")
+    prec = wt.fp32_dot_precision(dy_t, x)
+    names = wt.tune_candidates(n, k, m, prec != "", prec == "tf32")
     # beside the Gluon kernel only the Triton table's own pick: the other configs lost to both at every point
     # measured (RESULTS.md runs 6-7) and each costs a compile at tuning
     out += [Choice("triton", name) for name in (names[:1] if out else names)]

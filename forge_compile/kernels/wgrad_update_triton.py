@@ -433,9 +433,10 @@ def fp32_dot_precision(dy_t, x) -> str:
     """The precision of the GEMM on fp32 (or mixed, upcast) activations on the GPU: the one torch.mm takes for an
     fp32 matmul there, so the fused step is the unfused step's function -- "tf32" (tensor cores, 10-bit
     mantissa inputs) where torch allows TF32 for fp32 matmuls (``torch.backends.cuda.matmul.allow_tf32``, which
-    ``torch.set_float32_matmul_precision("high")`` sets), else "ieee". "" for bf16/fp16 activations, whose dot
-    ignores it. Read at every launch (it is part of the launch memo's and autotune's keys), as cuBLAS reads it."""
-    if dy_t.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    ``torch.set_float32_matmul_precision("high")`` sets), else "ieee". "" where the dot takes the activations as
+    they are (one non-fp32 dtype: bf16/fp16), i.e. no upcast -- so ``!= ""`` is the launch's upcast test. Read at
+    every launch (it is part of the launch memo's and autotune's keys), as cuBLAS reads it."""
+    if not (dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype):
         return ""
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
@@ -507,9 +508,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, tab
         x = torch.zeros((1, k), dtype=x.dtype, device=x.device)
         m = 1
 
-    upcast = interpret or dy_t.dtype == torch.float32 or x.dtype == torch.float32 or dy_t.dtype != x.dtype
+    prec = fp32_dot_precision(dy_t, x)
+    upcast = interpret or prec != ""
     # the interpreter's dot is numpy's fp32 matmul whatever the precision: IEEE is what it computes
-    tf32 = not interpret and fp32_dot_precision(dy_t, x) == "tf32"
+    tf32 = not interpret and prec == "tf32"
     if tf32:
         _warn_tf32_once()
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
