@@ -50,8 +50,9 @@ if [ -n "${E2E_ARGS:-}" ]; then
   sed -n '/^| route  *| mb | tokens/,$p' /tmp/e2e/results.md
 fi
 if [ -n "${PROFILE_ARGS:-}" ]; then
-  timeout ${PROFILE_TIMEOUT:-120} python3 benchmarks/profile_train_step.py --out $OUT ${PROFILE_ARGS} > $OUT/profile.log 2>&1
-  stamp "profile rc=$?"; cat $OUT/profile.log | tail -12
+  # per route a text and a kernel table: one tarball, since only ~8 files come back
+  timeout ${PROFILE_TIMEOUT:-120} python3 benchmarks/profile_train_step.py --out /tmp/profile ${PROFILE_ARGS} > $OUT/profile.log 2>&1
+  stamp "profile rc=$?"; cat $OUT/profile.log | tail -12; tar czf $OUT/profile.tgz -C /tmp profile
 fi
 if [ -n "$(ls -A /tmp/forge_results 2>/dev/null)" ]; then
   tar czf $OUT/test_results.tgz -C /tmp forge_results && stamp "test results: $OUT/test_results.tgz"

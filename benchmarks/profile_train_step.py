@@ -63,6 +63,21 @@ def timeline_stats(events, n_steps):
                 blocked_launch_ms=sum(blocked) / 1e3 / n, syncs=len(sync) / n, sync_ms=sum(sync) / 1e3 / n)
 
 
+def write_kernel_table(events, n_steps, path):
+    from torch.autograd import DeviceType
+    per = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            c = per.setdefault(e.name, [0, 0.0])
+            c[0] += 1
+            c[1] += e.time_range.end - e.time_range.start
+    n = max(1, n_steps)
+    with open(path, "w") as f:
+        f.write("us_per_step\tcalls_per_step\tname\n")
+        for name, (k, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+            f.write(f"{us / n:.1f}\t{k / n:g}\t{name[:200]}\n")
+
+
 def profile_route(route, args, out):
     device = torch.device(args.device)
     Llama = B.load_llama()
@@ -111,6 +126,10 @@ def profile_route(route, args, out):
     text = "\n".join(lines)
     with open(os.path.join(out, f"profile_{route}.txt"), "w") as f:
         f.write(text)
+    if bf16:
+        # every kernel name with its launches and device us per step: diff two routes' files to see which kernels
+        # one of them adds or slows (kernels replayed from a CUDA graph are listed like launched ones)
+        write_kernel_table(prof.events(), len(batches), os.path.join(out, f"kernels_{route}.tsv"))
     print("\n".join(lines[:4 if bf16 else 3]), flush=True)
 
 
