@@ -17,6 +17,8 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
+  step_graphs_recompute  (only with --routes) step_graphs with recompute_weight_copies=True: the bf16 weight copies
+                   cast again in the backward instead of kept from the forward (less memory, one more cast)
   baseline_graphs  (only with --routes) the baseline with torch.compile(mode="reduce-overhead") (Inductor's CUDA
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
   backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
@@ -71,11 +73,12 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "backend", "backend_graphs")   # table order
+ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "step_graphs_recompute", "backend",
+          "backend_graphs")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
-FORGE_ROUTES = ("step", "step_graphs", "backend", "backend_graphs")
-STEP_ROUTES = ("step", "step_graphs")          # compile_train_step: one graph, no .grad
-GRAPH_ROUTES = ("step_graphs", "baseline_graphs", "backend_graphs")   # replayed CUDA graphs
+FORGE_ROUTES = ("step", "step_graphs", "step_graphs_recompute", "backend", "backend_graphs")
+STEP_ROUTES = ("step", "step_graphs", "step_graphs_recompute")          # compile_train_step: one graph, no .grad
+GRAPH_ROUTES = ("step_graphs", "step_graphs_recompute", "baseline_graphs", "backend_graphs")   # replayed CUDA graphs
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -189,7 +192,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
             opt.zero_grad(set_to_none=True)
             return loss
         return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
-                                        cuda_graphs=route == "step_graphs"), None
+                                        cuda_graphs=route != "step",
+                                        recompute_weight_copies=route == "step_graphs_recompute"), None
 
     if route in ("backend", "backend_graphs"):
         import forge_compile  # noqa: F401  (registers backend="forge")

@@ -1,12 +1,13 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist|math|tf32] [--plot PNG]
+                                                           splitovl|hoist|math|tf32|e2e] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
 M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
 elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
+"e2e": AdamW bf16 on bench_train_step's full-preset linear shapes (E2E_SHAPES) at M = 1024, 2048, 4096.
 "rings" (NOTES_kernel.md v9), "vec" (v10: the vector-load epilogue vs the default) and "smem" (v11: dW through smem,
 deep vector lookahead, vs the default) time Gluon configs in one process, one line per case, bench_rings.txt /
 bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64..8192 and 14336x4096 M=2048, the
@@ -235,6 +236,15 @@ def final_cases():
     cases += [("adamw", "float32", 4096, 4096, m) for m in MS]
     cases += [("adamw", "bfloat16", 128256, 4096, m) for m in (256, 1024, 2048, 4096)]
     return cases
+
+
+# bench_train_step's full preset (d_model 2048, d_ff 5632, vocab 32000): per layer four 2048x2048 attention
+# weights, gate/up 5632x2048, down 2048x5632; the lm_head 32000x2048. Which of them keep the e2e step from 1.2x.
+E2E_SHAPES = [(2048, 2048), (5632, 2048), (2048, 5632), (32000, 2048)]
+
+
+def e2e_cases():
+    return [("adamw", "bfloat16", n, k, m) for n, k in E2E_SHAPES for m in (1024, 2048, 4096)]
 
 
 def gluon_cases():
@@ -763,7 +773,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
-                                                                 "math", "tf32"])
+                                                                 "math", "tf32", "e2e"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -806,6 +816,8 @@ def main():
         plan += [(*c, short) for c in final_cases() if c not in seen]
     if args.cases == "gluon":
         plan += [(*c, short) for c in gluon_cases()]
+    if args.cases == "e2e":
+        plan += [(*c, short) for c in e2e_cases()]
 
     # precompile every (case kind, config) in parallel processes
     jobs = set()

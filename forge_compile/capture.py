@@ -36,7 +36,7 @@ from .optim.rule import decompose_apply_rule
 from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
-from .passes.remat_for_backward import remat_for_backward
+from .passes.remat_for_backward import remat_for_backward, weight_copies_kept
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
@@ -152,7 +152,7 @@ class _OptimizerReads:
 
 class CompiledTrainStep:
     def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                 cuda_graphs=False):
+                 cuda_graphs=False, recompute_weight_copies=False):
         functools.update_wrapper(self, fn)
         unknown = set(options or {}) - _compat.inductor_option_names()
         if unknown:
@@ -169,6 +169,7 @@ class CompiledTrainStep:
         self._dump_dir = dump_dir
         self._fuse = fuse
         self._cuda_graphs = bool(cuda_graphs)
+        self._recompute_weight_copies = bool(recompute_weight_copies)
         self._explicit_models = models
         self._explicit_optimizers = optimizers
         self._cache: dict = {}
@@ -309,9 +310,15 @@ class CompiledTrainStep:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
-        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse)
+        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse, after_copies=self._recompute_weight_copies)
         remat_for_backward(gm, out_info["n"])
         report = FusionReport(decisions, graph="train_step")
+        if self._recompute_weight_copies:
+            kept = weight_copies_kept(gm, out_info["n"], placeholders[:len(params)])
+            report.notes.append(f"recompute_weight_copies: {kept} parameters' cast copies are still kept from the "
+                                "forward for the backward" if kept else
+                                "recompute_weight_copies: no parameter's cast copy is kept from the forward for "
+                                "the backward")
         if not any(d.fused for d in decisions) and self._fuse and decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         out_info["table"] = None
@@ -505,7 +512,7 @@ def _decompose_remaining_updates(gm, flat):
 
 
 def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                       cuda_graphs=False):
+                       cuda_graphs=False, recompute_weight_copies=False):
     """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
     into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
     options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``).
@@ -516,9 +523,15 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     not -- then runs forge's generated update kernel (bitwise eager torch.optim's math), parameters, buffers and
     states must stay the same tensors (replacing one captures again), and the batch is copied into static
     buffers. Where a step cannot be replayed (random numbers, CPU inputs, a rule without a generated kernel) it
-    runs as without the option and ``last_report`` says why."""
+    runs as without the option and ``last_report`` says why.
+
+    ``recompute_weight_copies=True`` trades time for memory under autocast: the low-precision copy of each
+    weight that the forward's matmul reads is cast again in the backward for dX = dY @ W (each fused update then
+    runs after that matmul) instead of being kept from the forward, as torch.compile keeps it -- 2 bytes per
+    parameter less at the forward/backward boundary, where the peak usually sits, for one more cast (6 bytes of
+    traffic) per parameter and step. Values are identical either way."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
-              cuda_graphs=cuda_graphs)
+              cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies)
     if fn is None:
         return lambda f: CompiledTrainStep(f, **kw)
     return CompiledTrainStep(fn, **kw)

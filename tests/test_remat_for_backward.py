@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import forge_compile as forge
 from forge_compile import _compat
-from forge_compile.passes.remat_for_backward import view_root, backward_start, remat_for_backward
+from forge_compile.passes.remat_for_backward import view_root, backward_start, remat_for_backward, weight_copies_kept
 from models import MLP
 
 aten = torch.ops.aten
@@ -106,3 +106,58 @@ def test_random_ops_are_not_recomputed():
     assert n_seeded >= 1
     remat_for_backward(gm, 1)
     assert seeded() == n_seeded
+
+
+def _tinylm_step(monkeypatch, **options):
+    """TinyLM's bf16-autocast train step through compile_train_step(**options): (step graph after the passes,
+    its number of forward outputs, the weight placeholders, the parameters after three steps, the report)."""
+    from models import TinyLM
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    def fn(idx, tgt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(m(idx).float().flatten(0, 1), tgt.flatten())
+        loss.backward(); opt.step(); opt.zero_grad()
+        return loss
+
+    seen = []
+
+    def hook(gm, n_forward_outputs):
+        done = remat_for_backward(gm, n_forward_outputs)
+        seen.append((gm, n_forward_outputs))
+        return done
+    step = forge.compile_train_step(fn, **options)
+    g = torch.Generator().manual_seed(1)
+    with monkeypatch.context() as mp:
+        mp.setattr("forge_compile.capture.remat_for_backward", hook)
+        for _ in range(3):
+            step(torch.randint(0, 40, (2, 8), generator=g), torch.randint(0, 40, (2, 8), generator=g))
+    (gm, n_out), = seen
+    n_params = len(list(m.parameters()))
+    weights = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_params]
+    return gm, n_out, weights, [p.detach().clone() for p in m.parameters()], step.last_report
+
+
+def test_recompute_weight_copies_keeps_no_weight_copy_across_the_boundary(monkeypatch):
+    kept_gm, n, kept_w, kept_params, _ = _tinylm_step(monkeypatch)
+    gm, n2, w, params, report = _tinylm_step(monkeypatch, recompute_weight_copies=True)
+    # By default the fused updates of the 3-D linears (whose autograd computes dW before dX) sit before their dX
+    # mm, so the forward's bf16 weight copies stay alive for it, as in torch.compile's partition.
+    assert weight_copies_kept(kept_gm, n, kept_w) >= 2
+    assert weight_copies_kept(gm, n2, w) == 0
+    assert any("no parameter's cast copy is kept" in note for note in report.notes)
+    roots = {view_root(x) for x in _live_across(gm, backward_start(gm, n2))}
+    assert not any(r.target is aten._to_copy.default and view_root(r.args[0]) in set(w) for r in roots)
+    # every fused update now follows each mm that reads a copy of its weight
+    nodes = list(gm.graph.nodes)
+    pos = {x: i for i, x in enumerate(nodes)}
+    fused = [x for x in nodes if x.target is torch.ops.forge.wgrad_update_.default]
+    assert len(fused) == 5                      # qkv, proj, up, down, head
+    for f in fused:
+        copies = [x for x in nodes if x.target is aten._to_copy.default and x.args[0] is f.args[0]]
+        readers = [u for c in copies for u in c.users]
+        assert copies and all(pos[r] < pos[f] for r in readers)
+    # the same values: the recomputed copy is cast from the same, not yet updated, weight
+    assert all(torch.equal(a, b) for a, b in zip(kept_params, params))

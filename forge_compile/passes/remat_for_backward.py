@@ -5,9 +5,12 @@ cheap ops (dtype casts, element-wise ops) in the backward instead of saving them
 Inductor one graph with forward, backward and update, so nothing is partitioned and every forward value
 the backward reads stays alive across the forward/backward boundary, where the peak usually is. The
 largest case: under bf16 autocast each linear's bf16 copy of W (made in the forward, read again by the
-backward's dX = dY @ W) — 2 bytes per parameter, 2.6 GiB above the torch.compile baseline at 1B parameters
-(measured on the H200, RESULTS.md). Also the MLP's ``silu(gate) * up`` and norms' normalized outputs,
-which the fused op reads as X.
+backward's dX = dY @ W) -- 2 bytes per parameter, 2.6 GiB above the torch.compile baseline at 1B parameters
+(measured on the H200, RESULTS.md). Such a copy can only be recomputed where its weight is not yet updated:
+autograd computes most linears' dW before their dX, so it is recomputed only when the fused updates are placed
+after the dX matmul (``compile_train_step(recompute_weight_copies=True)``); otherwise the forward's copy is
+kept, as torch.compile keeps it. Also the MLP's ``silu(gate) * up`` and norms' normalized outputs, which the
+fused op reads as X.
 
 What: a node is copied to just before its first backward use when it is cheap (a view, a dtype cast, or a
 deterministic element-wise op) and every input of the copy is available there without extending any
@@ -29,7 +32,7 @@ from .._compat import OpOverload, op_schema
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["remat_for_backward", "backward_start", "written_args", "view_root"]
+__all__ = ["remat_for_backward", "backward_start", "written_args", "view_root", "weight_copies_kept"]
 
 counters: Counter = Counter()
 
@@ -181,6 +184,24 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
     log.info("forge: recomputed %d cheap forward values in the backward (%d bytes no longer kept across "
              "the forward/backward boundary)", len(copies), saved)
     return len(copies)
+
+
+def weight_copies_kept(gm: fx.GraphModule, n_forward_outputs: int, params) -> int:
+    """How many of ``params`` (placeholders) have a cast copy made in the forward and read in the backward, i.e.
+    kept alive across the forward/backward boundary."""
+    start = backward_start(gm, n_forward_outputs)
+    if start is None:
+        return 0
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    params, kept = set(params), set()
+    for n in nodes[:start]:
+        if not any(u.op != "output" and pos[u] >= start for u in n.users):
+            continue
+        r = view_root(n)
+        if r.op == "call_function" and r.target in _CASTS and view_root(r.args[0]) in params:
+            kept.add(view_root(r.args[0]))
+    return len(kept)
 
 
 def _is_view(n: fx.Node) -> bool:

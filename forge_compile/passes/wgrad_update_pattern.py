@@ -132,8 +132,25 @@ def _readers(nodes: set) -> list:
     return [u for n in nodes for u in n.users if u not in nodes]
 
 
-def should_fuse_wgrad_update(match: _Match, order: dict) -> tuple[bool, str, Optional[fx.Node]]:
-    """Exactness and support checks; returns (fuse?, reason, node after which the fused op goes)."""
+def _copies(aliases: set) -> set:
+    """Tensors made from W by dtype casts (and views of them) on W's device: under autocast the low-precision
+    copy the forward's mm reads and the backward's dX = dY @ W reads again."""
+    seen, todo = set(), [u for n in aliases for u in n.users if u.target in _UPCASTS and u.args[0] is n]
+    while todo:
+        n = todo.pop()
+        src, dst = _meta(n.args[0]), _meta(n)
+        if n in seen or (n.target in _UPCASTS and (src is None or dst is None or src.device != dst.device)):
+            continue
+        seen.add(n)
+        todo += [u for u in n.users if (u.target in _VIEW_OPS or u.target in _UPCASTS) and u.args and u.args[0] is n]
+    return seen
+
+
+def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = False
+                             ) -> tuple[bool, str, Optional[fx.Node]]:
+    """Exactness and support checks; returns (fuse?, reason, node after which the fused op goes).
+    ``after_copies``: the fused op also goes after every reader of W's cast copies (the backward's dX mm), so
+    that ``remat_for_backward`` may recompute such a copy there instead of keeping the forward's."""
     apply = match.apply
     weight, _, states, hparams, rule_name = apply.args
     w = _meta(weight)
@@ -173,13 +190,17 @@ def should_fuse_wgrad_update(match: _Match, order: dict) -> tuple[bool, str, Opt
         return False, f"W is read after its update (by {after[0].target})", None
     # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update.
     before = [r for r in _readers(tracked) if r is not apply and order[r] < apply_pos]
+    if after_copies:
+        copies = _copies(w_alias)
+        before += [r for r in _readers(copies) if order[r] < apply_pos]
     anchor = max([match.mm] + before, key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
 
 
-def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True) -> list:
-    """Rewrite the graph in place. ``names`` maps placeholder nodes to parameter names.
+def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False) -> list:
+    """Rewrite the graph in place. ``names`` maps placeholder nodes to parameter names; ``after_copies``: see
+    ``should_fuse_wgrad_update``.
 
     Returns one FusionDecision per ``apply_rule_`` node (i.e. per updated parameter).
     """
@@ -204,7 +225,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True)
         match, reason = match_wgrad_update(node)
         anchor = None
         if match is not None:
-            ok, reason, anchor = should_fuse_wgrad_update(match, order)
+            ok, reason, anchor = should_fuse_wgrad_update(match, order, after_copies)
             if not ok:
                 match = None
         if match is None:
