@@ -1,6 +1,7 @@
 """Where a train step's time goes (issue 5: is the small-batch forge step host-bound?).
 
   python benchmarks/profile_train_step.py --out DIR [--routes baseline,step,backend] [--mb 2] [--layers 2]
+  python benchmarks/profile_train_step.py --diff DIR/kernels_baseline.tsv DIR/kernels_step.tsv
 
 Builds the model and routes of bench_train_step.py (same code), runs warm-up steps, then profiles N steps with
 torch.profiler. Per route it writes DIR/profile_<route>.txt: wall ms per step (perf_counter around N steps,
@@ -63,6 +64,45 @@ def timeline_stats(events, n_steps):
                 blocked_launch_ms=sum(blocked) / 1e3 / n, syncs=len(sync) / n, sync_ms=sum(sync) / 1e3 / n)
 
 
+# kernel name -> group, first match wins (Inductor names its kernels after the ops it fused: a kernel that only
+# casts is triton_poi_fused__to_copy_<n>, possibly with views/transposes in the name)
+KERNEL_GROUPS = [
+    ("forge fused wgrad+update", ("wgrad_update",)),
+    ("forge rule update", ("rule_update",)),
+    ("torch fused optimizer", ("fused_adam", "FusedAdam", "multi_tensor_apply", "fused_sgd")),
+    ("GEMM (cuBLAS/CUTLASS)", ("nvjet", "gemm", "xmma", "cutlass", "sm90_", "ampere_", "mm_")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("casts only (Inductor)", ("triton_poi_fused__to_copy_",)),
+    ("Inductor pointwise", ("triton_poi",)),
+    ("Inductor reductions", ("triton_red", "triton_per")),
+    ("copies/fills (torch)", ("elementwise_kernel", "vectorized_elementwise", "memcpy", "memset", "fill")),
+]
+
+
+def kernel_group(name: str) -> str:
+    for group, keys in KERNEL_GROUPS:
+        if any(k in name for k in keys):
+            if group == "casts only (Inductor)" and not all(
+                    part in ("to", "copy", "t", "view", "transpose", "permute", "") or part.isdigit()
+                    for part in name[len("triton_poi_fused_"):].split("_")):
+                continue
+            return group
+    return "other"
+
+
+def kernel_groups(events, n_steps) -> list:
+    """(group, device us per step, launches per step), largest first."""
+    from torch.autograd import DeviceType
+    per = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            c = per.setdefault(kernel_group(e.name), [0.0, 0])
+            c[0] += e.time_range.end - e.time_range.start
+            c[1] += 1
+    n = max(1, n_steps)
+    return sorted(((g, us / n, k / n) for g, (us, k) in per.items()), key=lambda r: -r[1])
+
+
 def write_kernel_table(events, n_steps, path):
     from torch.autograd import DeviceType
     per = {}
@@ -76,6 +116,34 @@ def write_kernel_table(events, n_steps, path):
         f.write("us_per_step\tcalls_per_step\tname\n")
         for name, (k, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
             f.write(f"{us / n:.1f}\t{k / n:g}\t{name[:200]}\n")
+
+
+def read_kernel_table(path) -> dict:
+    out = {}
+    with open(path) as f:
+        for line in f.read().splitlines()[1:]:
+            us, k, name = line.split("\t", 2)
+            out[name] = (float(us), float(k))
+    return out
+
+
+def diff_kernel_tables(path_a, path_b, rows: int = 40) -> list:
+    """Lines: total device us per step of A and B, then the kernels whose us per step differ most (B - A), and the
+    same by kernel group."""
+    a, b = read_kernel_table(path_a), read_kernel_table(path_b)
+    lines = [f"A {path_a}: {sum(v[0] for v in a.values()):.1f} us/step; B {path_b}: "
+             f"{sum(v[0] for v in b.values()):.1f} us/step", "", "by group: B - A us/step (A, B)"]
+    ga, gb = {}, {}
+    for d, g in ((a, ga), (b, gb)):
+        for name, (us, _) in d.items():
+            g[kernel_group(name)] = g.get(kernel_group(name), 0.0) + us
+    for grp in sorted(set(ga) | set(gb), key=lambda x: -abs(gb.get(x, 0) - ga.get(x, 0))):
+        lines.append(f"{gb.get(grp, 0) - ga.get(grp, 0):+9.1f}  ({ga.get(grp, 0):8.1f}, {gb.get(grp, 0):8.1f})  {grp}")
+    lines += ["", "by kernel: B - A us/step (A us, launches; B us, launches)"]
+    for name in sorted(set(a) | set(b), key=lambda x: -abs(b.get(x, (0, 0))[0] - a.get(x, (0, 0))[0]))[:rows]:
+        (ua, ka), (ub, kb) = a.get(name, (0.0, 0)), b.get(name, (0.0, 0))
+        lines.append(f"{ub - ua:+9.1f}  ({ua:8.1f}, {ka:g}; {ub:8.1f}, {kb:g})  {name[:110]}")
+    return lines
 
 
 def profile_route(route, args, out):
@@ -118,6 +186,8 @@ def profile_route(route, args, out):
         # the last synchronize is outside the steps' work but inside the profile: it counts as one sync
         t = timeline_stats(prof.events(), len(batches))
         lines.append("timeline per step (profiler): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
+        lines += ["", "== device time per step by kernel group (us, launches) =="]
+        lines += [f"{g:<28} {us:9.1f} {k:6g}" for g, us, k in kernel_groups(prof.events(), len(batches))]
     lines += ["", "== top by self CPU time ==",
              ka.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70)]
     if bf16:
@@ -131,6 +201,8 @@ def profile_route(route, args, out):
         # one of them adds or slows (kernels replayed from a CUDA graph are listed like launched ones)
         write_kernel_table(prof.events(), len(batches), os.path.join(out, f"kernels_{route}.tsv"))
     print("\n".join(lines[:4 if bf16 else 3]), flush=True)
+    if bf16:
+        print("\n".join(lines[5:lines.index("== top by self CPU time ==") - 1]), flush=True)
 
 
 def main():
@@ -144,7 +216,12 @@ def main():
     for k, v in B.PRESETS["quick"].items():
         if k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len"):
             p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--diff", nargs=2, metavar=("A_TSV", "B_TSV"),
+                   help="no profiling: compare two kernels_<route>.tsv files of earlier runs")
     args = p.parse_args()
+    if args.diff:
+        print("\n".join(diff_kernel_tables(*args.diff)))
+        return
     os.makedirs(args.out, exist_ok=True)
     for route in args.routes.split(","):
         try:

@@ -36,3 +36,37 @@ def test_timeline_stats_union_gaps_launches_syncs():
 def test_timeline_stats_without_events():
     t = P.timeline_stats([], 5)
     assert t["gpu_busy_ms"] == 0 and t["launches"] == 0 and t["syncs"] == 0
+
+
+def test_kernel_groups_and_table(tmp_path):
+    gpu, cpu = DeviceType.CUDA, DeviceType.CPU
+    events = [
+        _ev("wgrad_update_gluon_kernel", gpu, 0, 100), _ev("wgrad_update_gluon_kernel", gpu, 100, 160),
+        _ev("triton_poi_fused__to_copy_t_3", gpu, 160, 170),          # a cast (and transpose) alone
+        _ev("triton_poi_fused__to_copy_mul_silu_2", gpu, 170, 190),   # a cast fused with math: not a cast
+        _ev("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", gpu, 190, 290),
+        _ev("some_unknown_kernel", gpu, 290, 294),
+        _ev("cudaLaunchKernel", cpu, 0, 4),
+    ]
+    groups = {g: (us, k) for g, us, k in P.kernel_groups(events, 2)}
+    assert groups == {"forge fused wgrad+update": (80.0, 1.0), "GEMM (cuBLAS/CUTLASS)": (50.0, 0.5),
+                      "Inductor pointwise": (10.0, 0.5), "casts only (Inductor)": (5.0, 0.5), "other": (2.0, 0.5)}
+    P.write_kernel_table(events, 2, tmp_path / "k.tsv")
+    rows = (tmp_path / "k.tsv").read_text().splitlines()
+    assert rows[0].split("\t") == ["us_per_step", "calls_per_step", "name"]
+    assert rows[1].split("\t") == ["80.0", "1", "wgrad_update_gluon_kernel"]
+    assert len(rows) == 1 + 5
+
+
+def test_diff_kernel_tables(tmp_path):
+    gpu = DeviceType.CUDA
+    P.write_kernel_table([_ev("nvjet_a", gpu, 0, 100), _ev("triton_poi_fused__to_copy_0", gpu, 100, 130)], 1,
+                         tmp_path / "a.tsv")
+    P.write_kernel_table([_ev("nvjet_a", gpu, 0, 60), _ev("wgrad_update_gluon_kernel", gpu, 60, 100)], 1,
+                         tmp_path / "b.tsv")
+    lines = P.diff_kernel_tables(tmp_path / "a.tsv", tmp_path / "b.tsv")
+    assert lines[0].endswith("130.0 us/step; B " + str(tmp_path / "b.tsv") + ": 100.0 us/step")
+    body = "\n".join(lines)
+    assert "   +40.0  (     0.0,     40.0)  forge fused wgrad+update" in body
+    assert "   -40.0  (   100.0,     60.0)  GEMM (cuBLAS/CUTLASS)" in body
+    assert "   -30.0  (    30.0, 1;      0.0, 0)  triton_poi_fused__to_copy_0" in body
