@@ -204,3 +204,34 @@ def test_hf_decoder_cuda_graphs_match_torch_optim(family, tied):
     assert sg.counters["replays"] == STEPS - 2 and not sg.counters["capture_failed"], (dict(sg.counters), report)
     _assert_same(model, opt, ref, ref_opt)
     _assert_fusion(model, report, prefix, tied)
+
+
+@pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
+def test_hf_decoder_recompute_weight_copies_is_bitwise_the_same(family, tied):
+    # bf16 autocast (CPU): recompute_weight_copies=True recasts every fused weight's bf16 copy in the backward
+    # instead of keeping the forward's; the cast reads the same, not yet updated, W, so nothing may differ
+    def train(recompute):
+        torch.manual_seed(0)
+        model = _make(family, tied)
+        opt = _adamw(model.parameters())
+
+        @forge.compile_train_step(recompute_weight_copies=recompute)
+        def step(x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _loss(model(input_ids=x).logits.float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        losses = [step(x, y) for x, y in _batches()[:3]]
+        return model, opt, losses, step.last_report
+
+    kept, kept_opt, kept_losses, kept_report = train(False)
+    model, opt, losses, report = train(True)
+    assert len(report.fused) == len(kept_report.fused) == 7 * model.config.num_hidden_layers + (not tied)
+    assert any("no parameter's cast copy is kept" in n for n in report.notes), str(report)
+    assert all(torch.equal(a, b) for a, b in zip(kept_losses, losses))
+    for (n, a), b in zip(model.named_parameters(), kept.parameters()):
+        assert torch.equal(a, b), n
+        for k, s in opt.state[a].items():
+            assert torch.equal(s, kept_opt.state[b][k]), (n, k)
