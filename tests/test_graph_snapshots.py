@@ -9,9 +9,9 @@ from forge_compile.graph_printer import format_graph
 from models import MLP, TinyLM
 
 
-def _rewritten(step, *args, cuda_graphs=False):
+def _rewritten(step, *args, cuda_graphs=False, **options):
     """Capture + rewrite, return the printed rewritten graph and the report."""
-    cts = forge.compile_train_step(step, cuda_graphs=cuda_graphs)
+    cts = forge.compile_train_step(step, cuda_graphs=cuda_graphs, **options)
     captured = {}
     import forge_compile.capture as cap
 
@@ -194,3 +194,92 @@ v23 = forge.rule_update_(in1, v21, [in8, in9], v22, 'adamw[amsgrad=False,maximiz
 v24 = aten.select(in38, 0, 3)
 v25 = forge.rule_update_(in3, v15, [in14, in15], v24, 'adamw[amsgrad=False,maximize=False,weight_decay=True]')""")
 
+
+    def test_recompute_weight_copies(self):
+        # two bias-free linears on 3-D activations under bf16 autocast. Default: autograd computes the second
+        # layer's dW before its dX, the fused update follows its dW mm, and dX reads the forward's bf16 copy (kept
+        # across the boundary). recompute_weight_copies: the update follows the dX mm, which reads a copy cast
+        # again right before it; the first layer needs no dX (its input needs no gradient), so its copy is not
+        # read in the backward either way.
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3, bias=False))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+        def step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward(); opt.step(); opt.zero_grad(); return loss
+        x = torch.randn(2, 5, 4)
+        kept, _ = _rewritten(step, x)
+        g, rep = _rewritten(step, x, recompute_weight_copies=True)
+        self.assertIn("no parameter's cast copy is kept", " ".join(rep.notes))
+        self.assertExpectedInline(kept, """\
+v0 = aten._to_copy(in0, dtype=torch.bfloat16)
+v1 = aten._to_copy(in4, dtype=torch.bfloat16)
+v2 = aten.t(v0)
+v3 = aten.view(v1, [10, 4])
+v4 = aten.mm(v3, v2)
+v5 = aten._unsafe_view(v4, [2, 5, 6])
+v6 = aten._to_copy(in1, dtype=torch.bfloat16)
+v7 = aten.t(v6)
+v8 = aten.view(v5, [10, 6])
+v9 = aten.mm(v8, v7)
+v10 = aten._unsafe_view(v9, [2, 5, 3])
+v11 = aten._to_copy(v10, dtype=torch.float32)
+v12 = aten.pow.Tensor_Scalar(v11, 2)
+v13 = aten.mean(v12)
+v14 = aten.ones_like(v13, memory_format=torch.preserve_format)
+v15 = aten.expand(v14, [2, 5, 3])
+v16 = aten.div(v15, 30)
+v17 = aten.pow.Tensor_Scalar(v11, 1.0)
+v18 = aten.mul(v17, 2.0)
+v19 = aten.mul(v16, v18)
+v20 = aten._to_copy(v19, dtype=torch.bfloat16)
+v21 = aten.view(v20, [10, 3])
+v22 = aten.t(v21)
+v23 = forge.wgrad_update_(in1, v22, v8, [], [in3], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v24 = aten.t(v7)
+v25 = aten.mm(v21, v24)
+v26 = aten.view(v25, [2, 5, 6])
+v27 = aten.view(v26, [10, 6])
+v28 = aten.t(v27)
+v29 = aten._to_copy(in4, dtype=torch.bfloat16)
+v30 = aten.view(v29, [10, 4])
+v31 = forge.wgrad_update_(in0, v28, v30, [], [in2], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+return [v13]""")
+        self.assertExpectedInline(g, """\
+v0 = aten._to_copy(in0, dtype=torch.bfloat16)
+v1 = aten._to_copy(in4, dtype=torch.bfloat16)
+v2 = aten.t(v0)
+v3 = aten.view(v1, [10, 4])
+v4 = aten.mm(v3, v2)
+v5 = aten._unsafe_view(v4, [2, 5, 6])
+v6 = aten._to_copy(in1, dtype=torch.bfloat16)
+v7 = aten.t(v6)
+v8 = aten.view(v5, [10, 6])
+v9 = aten.mm(v8, v7)
+v10 = aten._unsafe_view(v9, [2, 5, 3])
+v11 = aten._to_copy(v10, dtype=torch.float32)
+v12 = aten.pow.Tensor_Scalar(v11, 2)
+v13 = aten.mean(v12)
+v14 = aten.ones_like(v13, memory_format=torch.preserve_format)
+v15 = aten.expand(v14, [2, 5, 3])
+v16 = aten.div(v15, 30)
+v17 = aten.pow.Tensor_Scalar(v11, 1.0)
+v18 = aten.mul(v17, 2.0)
+v19 = aten.mul(v16, v18)
+v20 = aten._to_copy(v19, dtype=torch.bfloat16)
+v21 = aten.view(v20, [10, 3])
+v22 = aten.t(v21)
+v23 = aten._to_copy(in1, dtype=torch.bfloat16)
+v24 = aten.t(v23)
+v25 = aten.t(v24)
+v26 = aten.mm(v21, v25)
+v27 = forge.wgrad_update_(in1, v22, v8, [], [in3], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v28 = aten.view(v26, [2, 5, 6])
+v29 = aten.view(v28, [10, 6])
+v30 = aten.t(v29)
+v31 = aten._to_copy(in4, dtype=torch.bfloat16)
+v32 = aten.view(v31, [10, 4])
+v33 = forge.wgrad_update_(in0, v30, v32, [], [in2], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+return [v13]""")
