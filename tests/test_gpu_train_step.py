@@ -83,7 +83,7 @@ def test_cuda_peak_memory_fused_vs_torch_compile_baseline(autocast):
     assert base >= dw and fused < 0.6 * dw
 
 
-def _recompute_run(recompute, d=2048, layers=4, tokens=512):
+def _recompute_run(recompute, d=2048, layers=8, tokens=512):
     """bf16-autocast forge step of a linear stack: (peak bytes above the step's start, parameters after 3 steps)."""
     torch.cuda.empty_cache()
     torch.manual_seed(0)
@@ -114,11 +114,12 @@ def test_cuda_recompute_weight_copies_same_values_lower_peak():
             json.dump({"peak_bytes_kept": kept_peak, "peak_bytes_recomputed": peak}, f)
     # the backward casts the same (not yet updated) fp32 weight again: bitwise the same update
     assert all(torch.equal(a, b) for a, b in zip(kept, params))
-    # Kept: the forward's bf16 copies of the three weights whose dX the backward computes (the first layer's
-    # input needs no gradient) are alive at the boundary, 3 x 8 MiB. Recomputed: one copy at a time in the
-    # backward, so the peak drops by at least two copies (10 % slack for the allocator's rounding).
+    # Kept: the forward's bf16 copies of the 7 weights whose dX the backward computes (the first layer's input
+    # needs no gradient) are alive at the boundary, 7 x 8 MiB. Recomputed: at most one copy alive at a time in the
+    # forward and one in the backward (the peak may move there), so it drops by at least 7 - 2 copies; 10 % slack
+    # for the allocator. Estimated from the tensors' sizes: ~6 copies (48 MiB).
     copy = 2048 * 2048 * 2
-    assert peak <= kept_peak - 0.9 * 2 * copy
+    assert peak <= kept_peak - 0.9 * 5 * copy
 
 
 def test_cuda_fused_adamw_keeps_device_step_format():
