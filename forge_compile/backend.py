@@ -523,7 +523,7 @@ class _Compilation:
             report.notes.append(_NOTE_SEMANTICS)
         if table_note is not None:
             report.notes.append(table_note)
-        elif decisions:
+        if decisions and not fused_plans:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         if not fused_plans:
             # nothing fused: compile the graph as AOTAutograd made it (no rerouted reads, no extra inputs)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,61 @@ def _copies(aliases: set) -> set:
     return seen
 
 
+def _is_pointwise(node: fx.Node) -> bool:
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags
+            and not op_schema(t).is_mutable)
+
+
+_REDUCTION = getattr(torch.Tag, "reduction", None)
+
+
+def _derived(aliases: set) -> set:
+    """Values computed from W by views, same-device casts and element-wise ops only (W's aliases excluded)."""
+    seen, todo = set(), [u for n in aliases for u in n.users if u not in aliases]
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or not n.args:
+            continue
+        if n.target in _UPCASTS:
+            src, dst = _meta(n.args[0]), _meta(n)
+            if src is None or dst is None or src.device != dst.device:
+                continue
+        elif n.target not in _VIEW_OPS and not _is_pointwise(n):
+            continue
+        seen.add(n)
+        todo += list(n.users)
+    return seen
+
+
+def _computed_by(node: fx.Node, derived: set, apply: fx.Node, order: dict) -> Optional[fx.Node]:
+    """Where Inductor computes the element-wise value ``node`` (derived from W): it lowers such a value lazily, at
+    the first use that needs it in memory -- an extern op such as a matmul, through views of it or not; reductions
+    and element-wise users read it inline at their own position. If that comes after the fused op, the value is
+    computed from the UPDATED W although the graph reads W before the update (seen in the Dynamo route's backward
+    when the partitioner recomputes autocast's weight cast there, e.g. under
+    torch._functorch.config.activation_memory_budget < 1). Returns the last node before which the value is surely
+    computed (None: only other derived values use it; their own positions cover it)."""
+    uses, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or u is apply:
+                continue
+            seen.add(u)
+            if u in derived:
+                if u.target in _VIEW_OPS:
+                    todo.append(u)
+            else:
+                uses.append(u)
+    if not uses:
+        return None
+    externs = [u for u in uses if not _is_pointwise(u) and not (_REDUCTION is not None and isinstance(
+        u.target, OpOverload) and _REDUCTION in u.target.tags)]
+    # the first extern use materializes it; without one every inline use computes it again
+    return min(externs, key=lambda n: order[n]) if externs else max(uses, key=lambda n: order[n])
+
+
 def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = False
                              ) -> tuple[bool, str, Optional[fx.Node]]:
     """Exactness and support checks; returns (fuse?, reason, node after which the fused op goes).
@@ -188,8 +244,18 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     after = [r for r in _readers(tracked) if r is not apply and order[r] > apply_pos]
     if after:
         return False, f"W is read after its update (by {after[0].target})", None
-    # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update.
+    # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update, and so must the first use of
+    # every value computed element-wise from W (where Inductor computes it).
     before = [r for r in _readers(tracked) if r is not apply and order[r] < apply_pos]
+    derived = _derived(w_alias)
+    for d in derived:
+        if d.target in _VIEW_OPS:
+            continue
+        at = _computed_by(d, derived, apply, order)
+        if at is not None:
+            if order[at] > apply_pos:
+                return False, f"a value computed from W is first needed after its update (by {at.target})", None
+            before.append(at)
     if after_copies:
         copies = _copies(w_alias)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
