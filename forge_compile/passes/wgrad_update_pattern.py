@@ -157,7 +157,8 @@ _REDUCTION = getattr(torch.Tag, "reduction", None)
 
 
 def _derived(aliases: set) -> set:
-    """Values computed from W by views, same-device casts and element-wise ops only (W's aliases excluded)."""
+    """Values computed from ``aliases`` (W, its states and their views) by views, same-device casts and
+    element-wise ops only (``aliases`` excluded)."""
     seen, todo = set(), [u for n in aliases for u in n.users if u not in aliases]
     while todo:
         n = todo.pop()
@@ -244,10 +245,10 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     after = [r for r in _readers(tracked) if r is not apply and order[r] > apply_pos]
     if after:
         return False, f"W is read after its update (by {after[0].target})", None
-    # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update, and so must the first use of
-    # every value computed element-wise from W (where Inductor computes it).
+    # Reads of the old W (e.g. this layer's dX = dY @ W) must stay before the update, and so must the point where
+    # every value computed element-wise from W or a state is surely computed (_computed_by).
     before = [r for r in _readers(tracked) if r is not apply and order[r] < apply_pos]
-    derived = _derived(w_alias)
+    derived = _derived(tracked)
     for d in derived:
         if d.target in _VIEW_OPS:
             continue
