@@ -90,31 +90,38 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def kernel_groups(events, n_steps) -> list:
-    """(group, device us per step, launches per step), largest first."""
+def kernel_totals(events) -> dict:
+    """kernel name -> (device us, launches) over the profiled steps."""
     from torch.autograd import DeviceType
     per = {}
     for e in events:
         if e.device_type == DeviceType.CUDA:
-            c = per.setdefault(kernel_group(e.name), [0.0, 0])
-            c[0] += e.time_range.end - e.time_range.start
-            c[1] += 1
+            us, k = per.get(e.name, (0.0, 0))
+            per[e.name] = (us + e.time_range.end - e.time_range.start, k + 1)
+    return per
+
+
+def group_totals(per_name: dict) -> dict:
+    """kernel_totals (or a read kernel table) summed by kernel_group."""
+    out = {}
+    for name, (us, k) in per_name.items():
+        gus, gk = out.get(kernel_group(name), (0.0, 0))
+        out[kernel_group(name)] = (gus + us, gk + k)
+    return out
+
+
+def kernel_groups(events, n_steps) -> list:
+    """(group, device us per step, launches per step), largest first."""
     n = max(1, n_steps)
-    return sorted(((g, us / n, k / n) for g, (us, k) in per.items()), key=lambda r: -r[1])
+    return sorted(((g, us / n, k / n) for g, (us, k) in group_totals(kernel_totals(events)).items()),
+                  key=lambda r: -r[1])
 
 
 def write_kernel_table(events, n_steps, path):
-    from torch.autograd import DeviceType
-    per = {}
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            c = per.setdefault(e.name, [0, 0.0])
-            c[0] += 1
-            c[1] += e.time_range.end - e.time_range.start
     n = max(1, n_steps)
     with open(path, "w") as f:
         f.write("us_per_step\tcalls_per_step\tname\n")
-        for name, (k, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        for name, (us, k) in sorted(kernel_totals(events).items(), key=lambda kv: -kv[1][0]):
             f.write(f"{us / n:.1f}\t{k / n:g}\t{name[:200]}\n")
 
 
@@ -133,10 +140,8 @@ def diff_kernel_tables(path_a, path_b, rows: int = 40) -> list:
     a, b = read_kernel_table(path_a), read_kernel_table(path_b)
     lines = [f"A {path_a}: {sum(v[0] for v in a.values()):.1f} us/step; B {path_b}: "
              f"{sum(v[0] for v in b.values()):.1f} us/step", "", "by group: B - A us/step (A, B)"]
-    ga, gb = {}, {}
-    for d, g in ((a, ga), (b, gb)):
-        for name, (us, _) in d.items():
-            g[kernel_group(name)] = g.get(kernel_group(name), 0.0) + us
+    ga = {g: us for g, (us, _) in group_totals(a).items()}
+    gb = {g: us for g, (us, _) in group_totals(b).items()}
     for grp in sorted(set(ga) | set(gb), key=lambda x: -abs(gb.get(x, 0) - ga.get(x, 0))):
         lines.append(f"{gb.get(grp, 0) - ga.get(grp, 0):+9.1f}  ({ga.get(grp, 0):8.1f}, {gb.get(grp, 0):8.1f})  {grp}")
     lines += ["", "by kernel: B - A us/step (A us, launches; B us, launches)"]

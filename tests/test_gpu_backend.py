@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import forge_compile.backend as fb
 from forge_compile.optim.lion import Lion
-from models import TinyLM
+from models import TinyLM, check_recomputed_weight_casts
 
 pytestmark = pytest.mark.gpu
 
@@ -124,33 +124,5 @@ def test_cuda_backend_peak_memory_vs_torch_compile_baseline(autocast):
 
 
 def test_cuda_weight_cast_computed_in_the_backward_sees_the_old_weight():
-    """test_backend.py's CPU test on the GPU: bf16 autocast with activation_memory_budget=0 makes the partitioner
-    recompute the weight casts in the backward, where Inductor computes them at their first use (the dX matmul);
-    the fused updates must come after it. A dX from an updated head moves the unfused gradients by O(1)."""
-    import torch._functorch.config as functorch_config
-
-    torch.manual_seed(0)
-    model = TinyLM().cuda()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=10.0)
-    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    with functorch_config.patch(activation_memory_budget=0.0):
-        cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
-        for _ in range(2):
-            x, y = torch.randint(0, 40, (2, 8), device="cuda"), torch.randint(0, 40, (2, 8), device="cuda")
-            w_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            with autocast():
-                loss = F.cross_entropy(cmodel(x).float().flatten(0, 1), y.flatten())
-            loss.backward()
-            ref.load_state_dict(w_before)
-            ref.zero_grad(set_to_none=True)
-            with autocast():
-                F.cross_entropy(ref(x).float().flatten(0, 1), y.flatten()).backward()
-            # Inductor's bf16 kernels vs eager autocast round differently (~1e-2 relative); the hazard is O(1)
-            for n in ("block.ln2.bias", "block.up.bias", "block.down.bias", "emb.weight"):
-                g, r = model.get_parameter(n).grad, ref.get_parameter(n).grad
-                torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-2 * r.abs().max().item(),
-                                           msg=lambda m: f"{n}.grad: {m}")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    assert len(fb.last_reports()[-1].fused) == 5
+    # test_backend.py's CPU test on the GPU (Inductor's Triton lowering is as lazy as its C++ one)
+    assert len(check_recomputed_weight_casts("cuda").fused) == 5

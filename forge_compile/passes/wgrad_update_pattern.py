@@ -133,20 +133,6 @@ def _readers(nodes: set) -> list:
     return [u for n in nodes for u in n.users if u not in nodes]
 
 
-def _copies(aliases: set) -> set:
-    """Tensors made from W by dtype casts (and views of them) on W's device: under autocast the low-precision
-    copy the forward's mm reads and the backward's dX = dY @ W reads again."""
-    seen, todo = set(), [u for n in aliases for u in n.users if u.target in _UPCASTS and u.args[0] is n]
-    while todo:
-        n = todo.pop()
-        src, dst = _meta(n.args[0]), _meta(n)
-        if n in seen or (n.target in _UPCASTS and (src is None or dst is None or src.device != dst.device)):
-            continue
-        seen.add(n)
-        todo += [u for u in n.users if (u.target in _VIEW_OPS or u.target in _UPCASTS) and u.args and u.args[0] is n]
-    return seen
-
-
 def _is_pointwise(node: fx.Node) -> bool:
     t = node.target
     return (node.op == "call_function" and isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags
@@ -156,9 +142,10 @@ def _is_pointwise(node: fx.Node) -> bool:
 _REDUCTION = getattr(torch.Tag, "reduction", None)
 
 
-def _derived(aliases: set) -> set:
-    """Values computed from ``aliases`` (W, its states and their views) by views, same-device casts and
-    element-wise ops only (``aliases`` excluded)."""
+def _derived(aliases: set, elementwise: bool = True) -> set:
+    """Values computed from ``aliases`` (W, its states and their views) by views, same-device casts and -- with
+    ``elementwise`` -- element-wise ops only (``aliases`` excluded). Without: W's cast copies and their views,
+    under autocast the low-precision copy the forward's mm reads and the backward's dX = dY @ W reads again."""
     seen, todo = set(), [u for n in aliases for u in n.users if u not in aliases]
     while todo:
         n = todo.pop()
@@ -168,7 +155,7 @@ def _derived(aliases: set) -> set:
             src, dst = _meta(n.args[0]), _meta(n)
             if src is None or dst is None or src.device != dst.device:
                 continue
-        elif n.target not in _VIEW_OPS and not _is_pointwise(n):
+        elif n.target not in _VIEW_OPS and not (elementwise and _is_pointwise(n)):
             continue
         seen.add(n)
         todo += list(n.users)
@@ -258,7 +245,7 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
                 return False, f"a value computed from W is first needed after its update (by {at.target})", None
             before.append(at)
     if after_copies:
-        copies = _copies(w_alias)
+        copies = _derived(w_alias, elementwise=False)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
     anchor = max([match.mm] + before, key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
