@@ -1,13 +1,15 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist|math|tf32|e2e] [--plot PNG]
+                                                           splitovl|hoist|math|tf32|e2e|cast] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
 M <= 4096. "sweep" times every GPU config of CONFIGS (or --configs) on 4096x4096 AdamW bf16 and a shortlist
 elsewhere. "gluon": AdamW bf16 on 4096x4096 and 14336x4096, SGD-momentum and Lion bf16 on 4096x4096, M = 256..8192.
 "e2e": AdamW bf16 on bench_train_step's full-preset linear shapes (E2E_SHAPES) at M = 1024, 2048, 4096.
+"cast": the same shapes and 4096x4096, fused step without / with the new W's bf16 copy (cast_out) vs the separate
+cast kernel it replaces (cast_sweep).
 "rings" (NOTES_kernel.md v9), "vec" (v10: the vector-load epilogue vs the default) and "smem" (v11: dW through smem,
 deep vector lookahead, vs the default) time Gluon configs in one process, one line per case, bench_rings.txt /
 bench_vec.txt / bench_smem.txt. "overlap" (overlap_sweep): AdamW 4096x4096 M=64..8192 and 14336x4096 M=2048, the
@@ -151,9 +153,9 @@ def check_config(rule, w, dy_t, x, st, hp, config, launch=None, tol=1e-5):
     w1, st1 = w.clone(), [s.clone() for s in st]
     grad = torch.full_like(w, float("nan"))
     if launch is None:
-        wt.launch_wgrad_update(w1, dy_t, x, st1, hp, rule, grad_out=grad, config=config)
+        wt.launch_wgrad_update(w1, dy_t, x, st1, hp, rule, side_out=grad, config=config)
     else:
-        launch(w1, dy_t, x, st1, hp, rule, grad_out=grad)
+        launch(w1, dy_t, x, st1, hp, rule, side_out=grad)
     ref = dy_t.double() @ x.double()
     rel = ((grad.double() - ref).norm() / ref.norm()).item()
     del ref
@@ -170,7 +172,7 @@ def gluon_why(rule, w, dy_t, x, st):
     old = os.environ.get(wg.ENV)
     os.environ[wg.ENV] = "gluon"
     try:
-        return wg.gluon_reason(w, dy_t, x, st, rule, grad_out=w)   # grad_out: judged by shape/layout only
+        return wg.gluon_reason(w, dy_t, x, st, rule, side_out=w)   # grad_out: judged by shape/layout only
     finally:
         if old is None:
             del os.environ[wg.ENV]
@@ -546,6 +548,54 @@ def hoist_sweep(args, log):
     return all_ok
 
 
+CAST_SHAPES = [(4096, 4096)] + E2E_SHAPES
+CAST_MS = (1024, 2048, 4096)
+
+
+def cast_sweep(args, log):
+    """AdamW bf16, one process: the fused step without / with the new W's bf16 copy as side output
+    (compile_train_step(cast_weights_in_update=True)) against the separate cast kernel the next forward runs
+    without it (``w.to(bf16)`` into a buffer: 4 B read + 2 B written per parameter). gain = fused + cast - fused_cast:
+    what the option saves per weight and step; the store's cost is fused_cast - fused. Checked first: the copy equals
+    the new W cast by torch, and W/states are bitwise those of the launch without it. False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    def launcher(w, dy_t, x, st, hp, rule, out):
+        if wg.use_gluon(w, dy_t, x, st, rule, out):
+            return "gluon", wg.bound_launch(w, dy_t, x, st, hp, rule, out)
+        return "triton", wt.bound_launch(w, dy_t, x, st, hp, rule, out)
+
+    all_ok, rows = True, []
+    for n, k in CAST_SHAPES:
+        for m in CAST_MS:
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, n, k, m, seed=m)
+            out = torch.empty_like(w, dtype=torch.bfloat16)
+            w1, st1, w2, st2 = w.clone(), [s.clone() for s in st], w.clone(), [s.clone() for s in st]
+            wt.launch_wgrad_update(w1, dy_t, x, st1, hp, rule, side_out=out)
+            wt.launch_wgrad_update(w2, dy_t, x, st2, hp, rule)
+            ok = (torch.equal(out, w1.to(torch.bfloat16)) and torch.equal(w1, w2)
+                  and all(map(torch.equal, st1, st2)))
+            all_ok &= ok
+            del w1, w2, st1, st2
+            path, plain = launcher(w, dy_t, x, st, hp, rule, None)
+            path_c, with_cast = launcher(w, dy_t, x, st, hp, rule, out)
+            t = {"fused": bench(plain), "fused_cast": bench(with_cast), "cast": bench(lambda: out.copy_(w))}
+            t["gain"] = t["fused"] + t["cast"] - t["fused_cast"]
+            rows.append((n, k, m, path, path_c, t))
+            log(f"AdamW {n}x{k} M={m} ({path}/{path_c}): " + " | ".join(f"{k_} {v:.4f}" for k_, v in t.items())
+                + ("" if ok else " | CHECK FAILED"))
+            del w, dy_t, x, st, out
+            torch.cuda.empty_cache()
+    keys = list(rows[0][5])
+    log("\n" + f"{'N x K':>12} {'M':>6} " + " ".join(f"{k_:>10}" for k_ in keys))
+    for n, k, m, _, _, t in rows:
+        log(f"{f'{n}x{k}':>12} {m:>6} " + " ".join(f"{t[k_]:>10.4f}" for k_ in keys))
+    return all_ok
+
+
 MATH_MS = (64, 256, 1024, 2048)
 
 
@@ -657,7 +707,7 @@ def check_gemm_sums(w, dy_t, x, st, hp, rule, cfg, ref=None):
     n, k = w.shape
     sums = torch.full(wg.gemm_sums_shape(n, k, cfg), float("nan"), device=w.device)
     w1, st1 = w.clone(), [s.clone() for s in st]
-    wg.launch(w1, dy_t, x, st1, hp, rule, grad_out=sums, config=cfg)
+    wg.launch(w1, dy_t, x, st1, hp, rule, side_out=sums, config=cfg)
     if ref is None:
         ref = dy_t.double() @ x.double()
     rows, nk = sums.shape
@@ -773,7 +823,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
-                                                                 "math", "tf32", "e2e"])
+                                                                 "math", "tf32", "e2e", "cast"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -795,10 +845,10 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32"):
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast"):
         ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
-              "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep}[args.cases](args, log)
+              "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{args.cases}.txt"), "w") as f:

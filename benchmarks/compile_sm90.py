@@ -63,9 +63,12 @@ def _specs(args):
                   f"{'/tf32' if args.tf32 else ''}", rules[rname], cname, "triton", False
         for lname in filter(lambda v: v != "none", args.layouts.split(",")):
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
-                for dw in ((False, True) if args.grad_out else (False,)):
-                    yield f"{rname}/{lname}{'/table' if table else ''}{'/dw' if dw else ''}", rules[rname], \
-                        layouts[lname], table, dw
+                sides = [None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
+                for side in sides:
+                    if side == "cast" and layouts[lname].epi not in wg.POINTER_EPIS:
+                        continue    # the TMA ring does not write the cast copy
+                    yield f"{rname}/{lname}{'/table' if table else ''}{'/' + side if side else ''}", rules[rname], \
+                        layouts[lname], table, side
 
 
 def _sass_digest(cubin: bytes, cuobjdump: str):
@@ -84,7 +87,7 @@ def _sass_digest(cubin: bytes, cuobjdump: str):
             mma)
 
 
-def compile_one(rule, cfg, table, dw, n, k, m):
+def compile_one(rule, cfg, table, side, n, k, m):
     from forge_compile.kernels import wgrad_update_gluon as wg
     from forge_compile.kernels.epilogue_codegen import compile_epilogue
     from forge_compile.kernels.wgrad_update_triton import split_states
@@ -96,7 +99,8 @@ def compile_one(rule, cfg, table, dw, n, k, m):
     dy = torch.randn(m, n, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
-    grad = torch.empty_like(w) if dw else None
+    # the side output: dW (fp32) or the new W's bf16 copy
+    grad = {None: None, "dw": torch.empty_like(w), "cast": torch.empty_like(w, dtype=torch.bfloat16)}[side]
     tab = None
     if table:
         states = split_states(rule, states)[0]
@@ -152,6 +156,8 @@ def main(argv=None):
     ap.add_argument("--table", choices=["off", "on", "both"], default="both",
                     help="kernels taking their scalars as arguments (off), from a table row (on), or both")
     ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
+    ap.add_argument("--cast-out", action="store_true",
+                    help="also the pointer epilogues' variants that store the new W's bf16 copy")
     ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
     ap.add_argument("--triton", default="", help="also (or, with --layouts none, only) these Triton kernel configs")
     ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",
@@ -163,11 +169,11 @@ def main(argv=None):
     stub_driver()
     n, k, m = (int(v) for v in args.shape.split(","))
     rows, failed = {}, []
-    for name, rule, cfg, table, dw in _specs(args):
+    for name, rule, cfg, table, side in _specs(args):
         t0 = time.time()
         try:
             row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, n, k, m) if table == "triton"
-                   else compile_one(rule, cfg, table, dw, n, k, m))
+                   else compile_one(rule, cfg, table, side, n, k, m))
         except Exception as e:   # report and go on
             failed.append(name)
             print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[-1200:]}", flush=True)

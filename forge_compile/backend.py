@@ -322,7 +322,9 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
             continue
         op = n.target
         weight, dy_t, x, states, last, rule = n.args       # last: the hyper-parameters, or the table row
-        kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule)
+        # every mutable argument by name, the optional cast_out too (auto_functionalized looks each one up); the
+        # Dynamo route never passes it (its forward is another graph: nothing there could read the copy)
+        kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None)
         kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
         val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
         with fake_mode:

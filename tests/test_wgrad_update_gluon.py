@@ -174,7 +174,7 @@ def test_use_gluon_selection(fake_sm90, monkeypatch):
     rule = RULES["adamw"]
     w, dy_t, x, st, hp = _make(rule, 256, 128, 96)
     assert wg.gluon_reason(w, dy_t, x, st, rule) is None
-    assert wg.use_gluon(w, dy_t, x, st, rule, grad_out=torch.empty_like(w))
+    assert wg.use_gluon(w, dy_t, x, st, rule, side_out=torch.empty_like(w))
     # forced off / auto
     monkeypatch.setenv(wg.ENV, "triton")
     assert not wg.use_gluon(w, dy_t, x, st, rule)
@@ -213,9 +213,12 @@ def test_use_gluon_alignment_and_states(fake_sm90):
     # misaligned base pointer (storage offset of one element)
     xs = torch.empty(96 * 128 + 1, dtype=x.dtype)[1:].view(96, 128).copy_(x)
     assert not wg.use_gluon(w, dy_t, xs, st, rule)
-    # a non-contiguous / wrong-dtype state or grad_out: the Triton kernel raises its error
+    # a non-contiguous / wrong-dtype state or side output: the Triton kernel raises its error
     assert not wg.use_gluon(w, dy_t, x, [st[0].t().contiguous().t()], rule)
-    assert not wg.use_gluon(w, dy_t, x, st, rule, grad_out=torch.empty_like(w, dtype=torch.float16))
+    assert not wg.use_gluon(w, dy_t, x, st, rule, side_out=torch.empty_like(w, dtype=torch.float64))
+    assert not wg.use_gluon(w, dy_t, x, st, rule, side_out=torch.empty_like(w).t().contiguous().t())
+    # a 16-bit side output is the new W's cast copy: a pointer epilogue writes it
+    assert wg.use_gluon(w, dy_t, x, st, rule, side_out=torch.empty_like(w, dtype=torch.bfloat16))
     assert wg.use_gluon(w, dy_t, x, st, rule)
 
 
@@ -259,7 +262,7 @@ def _check_exact(rule, n, k, m, dtype=torch.bfloat16, max_ctas=None, seed=1, con
     why = wg.gluon_reason(w, dy_t, x, st, rule, grad)
     assert why is None or why.startswith("auto"), why
     w_e, st_e = w.clone(), [s.clone() for s in st]
-    wg.launch(w, dy_t, x, st, hp, rule, grad_out=grad, max_ctas=max_ctas, config=config)
+    wg.launch(w, dy_t, x, st, hp, rule, side_out=grad, max_ctas=max_ctas, config=config)
     torch.cuda.synchronize()
     assert not grad.isnan().any()
     ref = dy_t.double() @ x.double()
@@ -434,7 +437,8 @@ def test_render_vec_every_rule(rule):
     assert "_epi_loader" not in vec and "e_ready" not in vec
     assert "async_copy_shared_to_global" not in vec and "store_wait" not in vec and "epi_turn" not in vec
     n_states = len(ep.tensor_inputs) - 2
-    assert vec.count("_nx = gl.load(") == n_states + 1 and vec.count("gl.store(") == n_states + 2
+    # W, the states, the side output: dW or the new W's cast copy
+    assert vec.count("_nx = gl.load(") == n_states + 1 and vec.count("gl.store(") == n_states + 3
     with pytest.raises(ValueError):
         wg.render_gluon_source(ep, "bogus")
 
@@ -521,7 +525,7 @@ def test_render_smem_every_rule(rule):
     assert "async_copy_shared_to_global" not in smem and "convert_layout" not in smem
     n_states = len(ep.tensor_inputs) - 2
     # W + states loaded in _smem_load; W + states + dW stored in _smem_step
-    assert smem.count("gl.load(") == n_states + 1 and smem.count("gl.store(") == n_states + 2
+    assert smem.count("gl.load(") == n_states + 1 and smem.count("gl.store(") == n_states + 3
 
 
 # ---- v12: one MMA warpgroup, two epilogue warpgroups (GConfig.epi="split") ----------------------------------
@@ -607,7 +611,7 @@ def test_render_split_every_rule(rule):
     assert "[4, 4, 1]" in kernel and kernel.count("_split_epi") == 2 and "_split_mma" in kernel
     assert split.count("_tile_mma(") == 2 and "False)" in split.split("def _split_mma", 1)[1].split("@gluon", 1)[0]
     n_states = len(ep.tensor_inputs) - 2
-    assert split.count("gl.load(") == n_states + 1 and split.count("gl.store(") == n_states + 2
+    assert split.count("gl.load(") == n_states + 1 and split.count("gl.store(") == n_states + 3
 
 
 # the vector-load epilogues (v10 "vec", v11 "smem", v12 "split"): the same exactness checks
@@ -725,7 +729,7 @@ def _check_gemm_sums(n, k, m, cfg, max_ctas=None, seed=1):
     w, dy_t, x, st, hp = _make(rule, n, k, m, torch.bfloat16, "cuda", seed)
     sums = torch.full(wg.gemm_sums_shape(n, k, cfg), float("nan"), device="cuda")
     w0, st0 = w.clone(), [s.clone() for s in st]
-    wg.launch(w, dy_t, x, st, hp, rule, grad_out=sums, config=cfg, max_ctas=max_ctas)
+    wg.launch(w, dy_t, x, st, hp, rule, side_out=sums, config=cfg, max_ctas=max_ctas)
     torch.cuda.synchronize()
     assert not sums.isnan().any()
     rows, nk = sums.shape
@@ -755,9 +759,9 @@ def test_gluon_gemm_sums_full_layer(layout):
 
 @sm90
 def test_gluon_gemm_refuses_a_wrong_output():
-    # the row sums go into grad_out: [ceil(N / 128) * 128, ceil(K / 128)] fp32, anything else is refused
+    # the row sums go into side_out: [ceil(N / 128) * 128, ceil(K / 128)] fp32, anything else is refused
     rule = RULES["adamw"]
     w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
     for bad in (torch.empty_like(w), torch.empty(1024, 7, device="cuda", dtype=torch.float64)):
         with pytest.raises(ValueError, match="row sums"):
-            wg.launch(w, dy_t, x, st, hp, rule, grad_out=bad, config=wg.gemm_config())
+            wg.launch(w, dy_t, x, st, hp, rule, side_out=bad, config=wg.gemm_config())

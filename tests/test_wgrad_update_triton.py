@@ -125,7 +125,7 @@ def _check_exact(rule, n, k, m, dtype, device, config=None, dw_tol=1e-5):
     else:
         from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
 
-        launch_wgrad_update(w, dy_t, x, states, hp, rule, grad_out=grad, config=config)
+        launch_wgrad_update(w, dy_t, x, states, hp, rule, side_out=grad, config=config)
     assert not grad.isnan().any()
     ref = dy_t.double() @ x.double()
     rel = ((grad.double() - ref).norm() / ref.norm()).item()
@@ -363,7 +363,7 @@ def test_cuda_tf32_switch_after_a_launch():
     for on in (True, False, True):
         grad = torch.full((512, 512), float("nan"), device="cuda")
         with _tf32(on):
-            launch_wgrad_update(w, dy_t, x, states, hp, ADAMW, grad_out=grad)
+            launch_wgrad_update(w, dy_t, x, states, hp, ADAMW, side_out=grad)
         rel = ((grad.double() - ref).norm() / ref.norm()).item()
         assert rel < (5e-3 if on else 1e-5), (on, rel)
         grads.append(grad)

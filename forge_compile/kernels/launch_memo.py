@@ -86,11 +86,11 @@ def _tkey(t: torch.Tensor | None):
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def launch_key(kind, rule, weight, dy_t, x, states, grad_out) -> tuple:
+def launch_key(kind, rule, weight, dy_t, x, states, side_out) -> tuple:
     """Everything a launch's kernel, grid and non-scalar arguments depend on (``kind`` names the kernel choice,
     e.g. the selection mode, so that changing FORGE_WGRAD_KERNEL never reuses another kernel's entry)."""
     return (kind, id(rule), weight.device.index, _tkey(weight), _tkey(dy_t), _tkey(x),
-            tuple(_tkey(s) if s.dim() else None for s in states), _tkey(grad_out))
+            tuple(_tkey(s) if s.dim() else None for s in states), _tkey(side_out))
 
 
 def lookup(key: tuple, states, hparams) -> bool:

@@ -13,7 +13,11 @@ Arguments:
 - states: the rule's states in ``rule.states`` order; tensor states are [N, K] fp32 contiguous, scalar
   states (e.g. ``step``) 0-dim float32 CPU tensors; all updated in place;
 - hparams: 0-dim float64 CPU tensors in ``rule.hparams`` order;
-- rule: the name of a registered ``Rule``.
+- rule: the name of a registered ``Rule``;
+- cast_out (optional) [N, K] bf16/fp16 contiguous: receives the updated weight cast to its dtype (round to nearest
+  even, exactly ``weight.to(cast_out.dtype)`` after the update), written by the epilogue from the registers that hold
+  the new W -- the low-precision copy the next forward reads under autocast
+  (compile_train_step(cast_weights_in_update=True)).
 """
 from __future__ import annotations
 
@@ -30,23 +34,29 @@ log = logging.getLogger(__name__)
 __all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape", "triton_on_cpu"]
 
 
-def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str) -> torch.Tensor:
-    """Plain-torch spec: materializes dW, applies the rule in place, returns dW (tests only)."""
+def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out=None) -> torch.Tensor:
+    """Plain-torch spec: materializes dW, applies the rule in place, casts the new W into ``cast_out``, returns dW
+    (tests only)."""
     grad = dy_t.float() @ x.float()
     with torch.no_grad():
         get_rule(rule).apply(weight, grad, list(states), list(hparams))
+        if cast_out is not None:
+            cast_out.copy_(weight)
     return grad
 
 
-def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None) -> None:
-    """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed."""
+def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None) -> None:
+    """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed; ``cast_out`` the
+    updated weight's low-precision copy (one of the two: the kernels have one side output)."""
     _check(weight, dy_t, x, states, rule)
+    _check_cast_out(weight, grad_out, cast_out)
     if weight.is_cuda or triton_on_cpu():
         from .wgrad_update_triton import launch_wgrad_update
 
-        launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule), grad_out=grad_out)
+        launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule),
+                            side_out=cast_out if cast_out is not None else grad_out)
     else:
-        wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out)
+        wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out, cast_out=cast_out)
 
 
 def triton_on_cpu() -> bool:
@@ -62,6 +72,17 @@ def _check(weight, dy_t, x, states, rule_name):
     _check_shapes(weight, dy_t, x)
     if len(states) != len(rule.states):
         raise ValueError(f"wgrad_update: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
+
+
+def _check_cast_out(weight, grad_out, cast_out):
+    if cast_out is None:
+        return
+    if grad_out is not None:
+        raise ValueError("wgrad_update: grad_out and cast_out cannot both be given (one side output)")
+    if (cast_out.dtype not in (torch.bfloat16, torch.float16) or cast_out.shape != weight.shape
+            or not cast_out.is_contiguous() or cast_out.device != weight.device):
+        raise ValueError(f"wgrad_update: cast_out must be a contiguous bf16/fp16 {list(weight.shape)} tensor on the "
+                         f"weight's device, got {cast_out.dtype} {list(cast_out.shape)} on {cast_out.device}")
 
 
 def _check_shapes(weight, dy_t, x):
@@ -86,21 +107,21 @@ _LIB = torch.library.Library("forge", "FRAGMENT")
 # cudagraphs then leave the op out (graph_partition: a partition boundary; otherwise the graph is not captured).
 _LIB.define(
     "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
-    "str rule) -> ()",
+    "str rule, Tensor(c!)? cast_out=None) -> ()",
     tags=_compat.cudagraph_unsafe_tags(),
 )
 
 
-def wgrad_update_(weight, dy_t, x, states, hparams, rule):
-    wgrad_update(weight, dy_t, x, states, hparams, rule)
-    torch.autograd.graph.increment_version([weight, *states])
+def wgrad_update_(weight, dy_t, x, states, hparams, rule, cast_out=None):
+    wgrad_update(weight, dy_t, x, states, hparams, rule, cast_out=cast_out)
+    torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
 _LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
-def _(weight, dy_t, x, states, hparams, rule):
+def _(weight, dy_t, x, states, hparams, rule, cast_out=None):
     return None
 
 
@@ -109,27 +130,28 @@ def _(weight, dy_t, x, states, hparams, rule):
 # so a CUDA graph may capture it (compile_train_step(cuda_graphs=True) writes the table before each replay).
 # ``scalars``: ``wgrad_update_triton.rule_scalars``'s values as fp32 on the weight's device.
 _LIB.define("wgrad_update_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor scalars, "
-            "str rule) -> ()")
+            "str rule, Tensor(c!)? cast_out=None) -> ()")
 
 
-def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str) -> None:
+def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str, cast_out=None) -> None:
     if not weight.is_cuda and not triton_on_cpu():
         raise RuntimeError("forge::wgrad_update_table_ runs on CUDA tensors (on CPU only under Triton's "
                            "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
     _check_shapes(weight, dy_t, x)
+    _check_cast_out(weight, None, cast_out)
     from .wgrad_update_triton import launch_wgrad_update
 
-    launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), table=scalars)
+    launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), side_out=cast_out, table=scalars)
 
 
-def wgrad_update_table_(weight, dy_t, x, states, scalars, rule):
-    wgrad_update_table(weight, dy_t, x, states, scalars, rule)
-    torch.autograd.graph.increment_version([weight, *states])
+def wgrad_update_table_(weight, dy_t, x, states, scalars, rule, cast_out=None):
+    wgrad_update_table(weight, dy_t, x, states, scalars, rule, cast_out)
+    torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
 _LIB.impl("wgrad_update_table_", wgrad_update_table_, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("forge::wgrad_update_table_", lib=_LIB)
-def _(weight, dy_t, x, states, scalars, rule):
+def _(weight, dy_t, x, states, scalars, rule, cast_out=None):
     return None

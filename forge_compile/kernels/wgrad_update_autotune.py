@@ -79,7 +79,7 @@ def _n_tensor_states(rule: Rule, states, table) -> int:
     return len(split_states(rule, states, table)[0])
 
 
-def tune_key(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> str:
+def tune_key(rule: Rule, weight, dy_t, x, states, side_out, table=None) -> str:
     """The key of a launch's choice; a launch reading a scalar table shares the key (and the choice) of the same
     launch with host scalars."""
     import triton
@@ -87,12 +87,14 @@ def tune_key(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> str:
     n, k = weight.shape
     n_ts = _n_tensor_states(rule, states, table)
     dev = torch.cuda.get_device_name(weight.device) if weight.is_cuda else str(weight.device)
-    from .wgrad_update_triton import fp32_dot_precision
+    from .wgrad_update_triton import SIDE_CAST, fp32_dot_precision, side_mode
 
     # the fp32 dot's precision: IEEE and TF32 launches are different kernels with different winners
     prec = fp32_dot_precision(dy_t, x)
+    # the side output: none / dW (False / True, the keys' spelling before the cast copy existed) / "cast"
+    side = "cast" if side_mode(side_out) == SIDE_CAST else side_out is not None
     return "|".join(map(str, (rule.name, n, k, m_bucket(x.shape[0]), str(dy_t.dtype), str(x.dtype), n_ts,
-                              grad_out is not None, dev, triton.__version__) + ((prec,) if prec else ())))
+                              side, dev, triton.__version__) + ((prec,) if prec else ())))
 
 
 def _cache_file() -> str:
@@ -152,16 +154,23 @@ def clear(memory_only: bool = False) -> None:
 # candidates and timing
 
 
-def candidates(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> list[Choice]:
+def candidates(rule: Rule, weight, dy_t, x, states, side_out, table=None) -> list[Choice]:
     from . import wgrad_update_gluon as wg
     from . import wgrad_update_triton as wt
 
     n, k = weight.shape
     m = x.shape[0]
     out = []
-    if wg.use_gluon(weight, dy_t, x, states, rule, grad_out, table):
-        out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, grad_out, table),
-                                                                   x.element_size())]
+    if wg.use_gluon(weight, dy_t, x, states, rule, side_out, table):
+        if wt.side_mode(side_out) == wt.SIDE_CAST:
+            # only pointer epilogues write the cast copy: the pick for it, then the other pointer candidates
+            n_load = 1 + _n_tensor_states(rule, states, table)
+            cands = [wg.pick_for(m, n_load, x.element_size(), wt.SIDE_CAST)]
+            cands += [c for c in wg.gconfig_candidates(m, n_load, x.element_size()) if c.epi in wg.POINTER_EPIS]
+            out += [Choice("gluon", c) for c in dict.fromkeys(cands)]
+        else:
+            out += [Choice("gluon", c) for c in wg.gconfig_candidates(m, _n_arrays(rule, states, side_out, table),
+                                                                       x.element_size())]
     prec = wt.fp32_dot_precision(dy_t, x)
     names = wt.tune_candidates(n, k, m, prec != "", prec == "tf32")
     # beside the Gluon kernel only the Triton table's own pick: the other configs lost to both at every point
@@ -170,14 +179,14 @@ def candidates(rule: Rule, weight, dy_t, x, states, grad_out, table=None) -> lis
     return out
 
 
-def _n_arrays(rule: Rule, states, grad_out, table=None) -> int:
-    # fp32 [N, K] arrays a launch reads and writes: W, the tensor states, the stored dW
-    return 1 + _n_tensor_states(rule, states, table) + (grad_out is not None)
+def _n_arrays(rule: Rule, states, side_out, table=None) -> int:
+    # [N, K] arrays a launch reads or writes: W, the tensor states, the side output (dW, or W's cast copy)
+    return 1 + _n_tensor_states(rule, states, table) + (side_out is not None)
 
 
-def _scratch_rows(rule: Rule, weight, states, grad_out, table=None) -> int:
+def _scratch_rows(rule: Rule, weight, states, side_out, table=None) -> int:
     n, k = weight.shape
-    n_arrays = _n_arrays(rule, states, grad_out, table)
+    n_arrays = _n_arrays(rule, states, side_out, table)
     cap = int(float(os.environ.get("FORGE_AUTOTUNE_MIB", "1024")) * 2**20)
     rows = cap // max(1, n_arrays * k * 4)
     if rows >= n:
@@ -185,15 +194,15 @@ def _scratch_rows(rule: Rule, weight, states, grad_out, table=None) -> int:
     return max(128, rows // 128 * 128)
 
 
-def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, grad_out, table=None) -> None:
+def _launch_choice(choice: Choice, weight, dy_t, x, states, hparams, rule, side_out, table=None) -> None:
     if choice.family == "gluon":
         from .wgrad_update_gluon import launch
 
-        launch(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config, table=table)
+        launch(weight, dy_t, x, states, hparams, rule, side_out, config=choice.config, table=table)
     else:
         from .wgrad_update_triton import launch_wgrad_update
 
-        launch_wgrad_update(weight, dy_t, x, states, hparams, rule, grad_out, config=choice.config, table=table)
+        launch_wgrad_update(weight, dy_t, x, states, hparams, rule, side_out, config=choice.config, table=table)
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -202,13 +211,13 @@ def _time_ms(fn: Callable[[], None]) -> float:
     return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
-def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Choice], table=None) -> Choice | None:
-    rows = _scratch_rows(rule, weight, states, grad_out, table)
+def _tune(rule: Rule, weight, dy_t, x, states, hparams, side_out, cands: list[Choice], table=None) -> Choice | None:
+    rows = _scratch_rows(rule, weight, states, side_out, table)
     scalar = (lambda i: False) if table is not None else rule.is_scalar_state   # a table launch: tensor states only
     with torch.no_grad():
         w_s = weight[:rows].clone()
         st_s = [s.clone() if scalar(i) else s[:rows].clone() for i, s in enumerate(states)]
-        g_s = None if grad_out is None else torch.empty_like(w_s)
+        g_s = None if side_out is None else torch.empty_like(w_s, dtype=side_out.dtype)
         # dY [M, N] row-major sliced to its first `rows` columns, contiguous again (TMA needs it), as dy_t
         dy_s = dy_t[:rows] if rows == weight.shape[0] else dy_t[:rows].t().contiguous().t()
     scalar0 = [s.clone() for i, s in enumerate(st_s) if scalar(i)]
@@ -232,11 +241,11 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, grad_out, cands: list[Ch
     return best
 
 
-def forget(weight, dy_t, x, states, rule: Rule, grad_out=None, *, why: BaseException | None = None,
+def forget(weight, dy_t, x, states, rule: Rule, side_out=None, *, why: BaseException | None = None,
            table=None) -> None:
     """Drop this launch's choice (it failed to build or launch): the key goes back to the untuned path for the
     rest of the process and is re-tuned in the next one."""
-    key = tune_key(rule, weight, dy_t, x, states, grad_out, table)
+    key = tune_key(rule, weight, dy_t, x, states, side_out, table)
     with _LOCK:
         dropped = _TABLE.pop(key, None)
     counters["forgotten"] += 1
@@ -250,14 +259,14 @@ def _device_ok(weight) -> bool:
     return weight.is_cuda
 
 
-def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, table=None) -> Choice | None:
+def choose(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None) -> Choice | None:
     """The tuned choice for this launch (tuning it now if the key is new); None when tuning is off, the launch
     is not on a CUDA device, or no candidate ran. ``table``: the launch reads its scalars from this row
     (``states`` are its tensor states; candidates are timed reading it too)."""
     if not enabled() or not _device_ok(weight) or x.shape[0] == 0:
         return None
     _load()
-    key = tune_key(rule, weight, dy_t, x, states, grad_out, table)
+    key = tune_key(rule, weight, dy_t, x, states, side_out, table)
     if key in _FORGOTTEN:
         return None
     hit = _TABLE.get(key)
@@ -266,11 +275,11 @@ def choose(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, table=No
         return hit
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None   # timing (events, synchronize) cannot run inside a CUDA graph capture: untuned there
-    cands = candidates(rule, weight, dy_t, x, states, grad_out, table)
+    cands = candidates(rule, weight, dy_t, x, states, side_out, table)
     if len(cands) <= 1:
         choice = cands[0] if cands else None
     else:
-        choice = _tune(rule, weight, dy_t, x, states, hparams, grad_out, cands, table)
+        choice = _tune(rule, weight, dy_t, x, states, hparams, side_out, cands, table)
         counters["tuned"] += 1
         log.info("forge: autotuned %s -> %s %s (%.4f ms on %d candidates)", key,
                  choice.family if choice else None, choice.config if choice else None,

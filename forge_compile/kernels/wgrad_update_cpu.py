@@ -331,7 +331,9 @@ def _scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     return bufs
 
 
-def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None) -> None:
+def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None) -> None:
+    """``grad_out``: receives dW; ``cast_out``: receives the updated weight cast to its dtype, block by block while
+    the block is in cache (forge::wgrad_update_'s cast_out)."""
     rule = get_rule(rule_name)
     plan = fast_path_for(rule, hparams, states)
     n, k = weight.shape
@@ -344,11 +346,14 @@ def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None)
             names = [(i, name) for i, name in enumerate(rule.states) if not rule.is_scalar_state(i)]
             for blk, g, tmp in _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out):
                 block(weight[blk], g, {name: states[i][blk] for i, name in names}, tmp)
+                if cast_out is not None:
+                    cast_out[blk].copy_(weight[blk])
             for i, name in enumerate(rule.states):
                 if rule.is_scalar_state(i):
                     states[i].copy_(new_scalars[name])
         else:
-            _generic(rule, weight, states, hparams, _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out))
+            _generic(rule, weight, states, hparams, _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out),
+                     cast_out)
 
 
 # (rule, hyper-parameter and scalar-state values) -> (block, new scalars): every linear layer of a step has the
@@ -388,7 +393,7 @@ def _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out):
             yield blk, g, tbuf[:size].view(shape)
 
 
-def _generic(rule, weight, states, hparams, blocks):
+def _generic(rule, weight, states, hparams, blocks, cast_out=None):
     tensor_idx = [i for i in range(len(states)) if not rule.is_scalar_state(i)]
     scalar_idx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
     scalar_in = [states[i].clone() for i in scalar_idx]   # every block starts from the old scalars
@@ -403,6 +408,8 @@ def _generic(rule, weight, states, hparams, blocks):
         weight[blk].copy_(out[0])
         for i in tensor_idx:
             states[i][blk].copy_(out[1 + i])
+        if cast_out is not None:
+            cast_out[blk].copy_(weight[blk])
         if new_scalars is None:
             new_scalars = [out[1 + i] for i in scalar_idx]
     if new_scalars is not None:

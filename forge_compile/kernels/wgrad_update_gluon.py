@@ -68,7 +68,7 @@ import torch
 
 from ..optim.rule import Rule
 from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module, scalar_fields
-from .wgrad_update_triton import split_states
+from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, side_mode, split_states
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
            "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape", "split_config",
-           "SPLIT_STAGES"]
+           "SPLIT_STAGES", "pick_for", "POINTER_EPIS"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -629,8 +629,10 @@ def _vec_step(gch, t, c, {carry}, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog
     offs, msk = _vec_chunk(t, c, num_tiles, num_n, num_k, N, K, BN, BK, EPI_N, GROUP, L, BIG)
     gl.store(w_ptr + offs, {new_p}, mask=msk)
 {vec_stores}
-    if STORE_GRAD:
+    if STORE_GRAD == 1:
         gl.store(g_ptr + offs, g, mask=msk)
+    if STORE_GRAD == 2:
+        gl.store(g_ptr + offs, {new_p}.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=msk)
     return {carry_nx}
 
 
@@ -760,11 +762,14 @@ def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.co
 @gluon.jit
 def _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD: gl.constexpr,
                    ST_EV: gl.constexpr, ST_CM: gl.constexpr):
-    # the updated W and tensor states (and dW when stored) at offs
+    # the updated W and tensor states (and the side output: dW, or the new W's low-precision copy) at offs
     gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
 {smem_stores}
-    if STORE_GRAD:
+    if STORE_GRAD == 1:
         gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
+    if STORE_GRAD == 2:
+        gl.store(g_ptr + offs, {new_p}.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=msk, cache_modifier=ST_CM,
+                 eviction_policy=ST_EV)
 
 
 @gluon.jit
@@ -1502,7 +1507,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
 def gemm_config(stages: int = 4, bmt: int = 64) -> GConfig:
     """The overlap diagnostic (GConfig.epi="gemm"): the default kernel's GEMM schedule (``stages`` GEMM stages of
     ``bmt`` tokens, same loader, tile GEMM, mma turn and tile order) with no epilogue traffic; each tile's row sums
-    of dW go to ``grad_out`` (shape ``gemm_sums_shape``). For benchmarks and tests (``config=``), never picked.
+    of dW go to ``side_out`` (shape ``gemm_sums_shape``). For benchmarks and tests (``config=``), never picked.
     No epilogue ring (es=0)."""
     cfg = GConfig(epi="gemm", stages=stages, bmt=bmt, es=0)
     _check_gconfig(cfg)
@@ -1634,7 +1639,7 @@ def _mode() -> str:
     return mode if mode in ("auto", "gluon", "triton") else "auto"
 
 
-def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None, table=None) -> str | None:
+def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None) -> str | None:
     """None when this launch goes to the Gluon kernel, else why not (it then goes to the Triton kernel).
     ``table``: the launch reads its scalars from this device row; ``states`` are the tensor states alone."""
     mode = _mode()
@@ -1664,18 +1669,42 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, grad_out=None, table=None)
     if n % 8 or k % 8:
         return "N and K must be multiples of 8 (16-byte TMA row strides)"
     tensor_states = split_states(rule, states, table)[0]
-    epi = [weight, *tensor_states] + ([grad_out] if grad_out is not None else [])
+    epi = [weight, *tensor_states]
     for t in epi:
         if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != weight.shape or t.device != dev:
-            return "weight/states/grad_out must be contiguous fp32 [N, K] on the weight's device"
+            return "weight/states must be contiguous fp32 [N, K] on the weight's device"
+    if side_out is not None:
+        try:
+            check_side_out(side_out, weight)
+        except ValueError as e:
+            return str(e)
+        epi.append(side_out)
     if any(t.data_ptr() % 16 for t in (dy_t, x, *epi)):
         return "a base pointer is not 16-byte aligned"
     ep, src, why = _source_for(rule)
     if src is None:
         return why
-    if pick_gconfig(m, len(epi), x.element_size()) is None:
-        return f"{len(epi)} fp32 arrays per epilogue slot do not fit in shared memory"
+    if pick_for(m, 1 + len(tensor_states), x.element_size(), side_mode(side_out)) is None:
+        return f"{len(epi)} arrays per epilogue slot do not fit in shared memory"
     return None
+
+
+# epilogues that address W/states through pointers: they store the side output's cast copy (SIDE_CAST) from
+# registers; the TMA ring's stores go through fp32 smem slots and do not
+POINTER_EPIS = ("smem", "split", "vec")
+
+
+def pick_for(m: int, n_load: int, act_bytes: int, mode: int) -> GConfig | None:
+    """``pick_gconfig`` for a launch streaming ``n_load`` fp32 arrays (W, tensor states) with side output ``mode``
+    (wgrad_update_triton.side_mode). The cast copy adds 2-byte stores, not a streamed array: the pick of the
+    arrays read, on a pointer epilogue (the smem kernel where that pick is the TMA ring; not measured)."""
+    if mode != SIDE_CAST:
+        return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
+    cfg = pick_gconfig(m, n_load, act_bytes)
+    if cfg is not None and cfg.epi in POINTER_EPIS:
+        return cfg
+    cfg = smem_config()
+    return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
 
 
 def _auto_keeps_triton(rule: Rule) -> bool:
@@ -1683,8 +1712,8 @@ def _auto_keeps_triton(rule: Rule) -> bool:
     return ep is None or any(op in ep.body for op in _AUTO_TRITON_OPS)
 
 
-def use_gluon(weight, dy_t, x, states, rule: Rule, grad_out=None, table=None) -> bool:
-    return gluon_reason(weight, dy_t, x, states, rule, grad_out, table) is None
+def use_gluon(weight, dy_t, x, states, rule: Rule, side_out=None, table=None) -> bool:
+    return gluon_reason(weight, dy_t, x, states, rule, side_out, table) is None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1709,7 +1738,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
             gl.NVMMASharedLayout.get_default_for(_box(cfg), gl.float32))
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
              max_ctas: int | None = None, table=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -1726,21 +1755,25 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
     n, k = weight.shape
     m = x.shape[0]
-    epi = [weight, *tensor_states] + ([grad_out] if grad_out is not None else [])
-    cfg = config or pick_gconfig(m, len(epi), x.element_size())
+    epi = [weight, *tensor_states] + ([side_out] if side_out is not None else [])
+    mode = side_mode(side_out)
+    cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode)
     if config is not None:
         _check_gconfig(cfg)
+    if mode == SIDE_CAST and cfg.epi not in POINTER_EPIS:
+        raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not write a cast copy of W (side_out "
+                         f"{side_out.dtype}); epilogues {POINTER_EPIS} do")
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
     if cfg.epi == "gemm":
-        # overlap diagnostic: grad_out, when given, receives the per-tile row sums (gemm_sums_shape), else a
+        # overlap diagnostic: side_out, when given, receives the per-tile row sums (gemm_sums_shape), else a
         # scratch does; W/states are untouched and scalar states are not advanced (nothing returned to advance)
         kernel = _kernel_for(rule, "gemm")
         shape = gemm_sums_shape(n, k, cfg)
-        sums = grad_out if grad_out is not None else torch.empty(shape, dtype=torch.float32, device=weight.device)
+        sums = side_out if side_out is not None else torch.empty(shape, dtype=torch.float32, device=weight.device)
         if tuple(sums.shape) != shape or sums.dtype != torch.float32 or not sums.is_contiguous():
-            raise ValueError(f"epi='gemm' writes row sums into a contiguous fp32 {list(shape)} grad_out, got "
+            raise ValueError(f"epi='gemm' writes row sums into a contiguous fp32 {list(shape)} side_out, got "
                              f"{sums.dtype} {list(sums.shape)}")
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
@@ -1750,12 +1783,12 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         kernel = _kernel_for(rule, cfg.epi, tabled)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
-        args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
+        args = (dy_desc, x_desc, weight, *tensor_states, side_out if side_out is not None else weight, *scalars,
                 m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
         ld_ev, st_ev, st_cm = _EVICT[cfg.evict]
-        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=grad_out is not None, R=cfg.epi_m,
+        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=mode, R=cfg.epi_m,
                     LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
@@ -1766,21 +1799,21 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
         kernel = _kernel_for(rule, "vec", tabled)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
-        args = (dy_desc, x_desc, weight, *tensor_states, grad_out if grad_out is not None else weight, *scalars,
+        args = (dy_desc, x_desc, weight, *tensor_states, side_out if side_out is not None else weight, *scalars,
                 m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
-        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=grad_out is not None, EPI_N=cfg.epi_n, BIG=big,
+        opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=mode, EPI_N=cfg.epi_n, BIG=big,
                     CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
                     enable_fp_fusion=False)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     e_descs = [TensorDescriptor(t, [n, k], [k, 1], _box(cfg), e_l) for t in epi]
-    g_desc = e_descs[-1] if grad_out is not None else e_descs[0]
+    g_desc = e_descs[-1] if side_out is not None else e_descs[0]
     tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
     grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
     args = (dy_desc, x_desc, e_descs[0], *e_descs[1:1 + len(tensor_states)], g_desc, *scalars, m, n, k)
     opts = dict(GROUP=cfg.group, STAGES=cfg.stages, ES=cfg.es, NLOAD=1 + len(tensor_states), NST=len(epi),
-                STORE_GRAD=grad_out is not None, NRING=cfg.nring, NB=_boxes(cfg), EOUT=cfg.eout,
+                STORE_GRAD=side_out is not None, NRING=cfg.nring, NB=_boxes(cfg), EOUT=cfg.eout,
                 CONSUMER_REGS=cfg.cregs, num_warps=4,
                 maxnreg=cfg.maxnreg,
                 # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
@@ -1788,37 +1821,37 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, con
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
-def launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
+def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
            max_ctas: int | None = None, table=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
     ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` as in
     wgrad_update_triton.launch_wgrad_update."""
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, grad_out, config=config, max_ctas=max_ctas, table=table)
+        weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
 
 
-def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: GConfig | None = None,
+def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
                  table=None):
     """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are
     NOT advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config=config,
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config=config,
                                               table=table)
     return lambda: kernel[grid](*args, **opts)
 
 
-def try_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, table=None) -> bool:
+def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None) -> bool:
     """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton."""
-    why = gluon_reason(weight, dy_t, x, states, rule, grad_out, table)
+    why = gluon_reason(weight, dy_t, x, states, rule, side_out, table)
     if why is not None:
         if _mode() == "gluon":
             log.debug("forge: %s=gluon but rule %r goes to the Triton kernel: %s", ENV, rule.name, why)
         return False
     try:
-        launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
+        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
     except Exception as e:  # build/compile failure (a triton whose Gluon API differs): the launch never ran
         with _LOCK:
             _BROKEN[rule.name] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"

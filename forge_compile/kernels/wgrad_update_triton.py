@@ -16,6 +16,8 @@ Knobs of the template (constexpr, chosen per config, see CONFIGS and benchmarks/
   before the token loop (2): the HBM latency of one chunk overlaps the previous chunk's work;
 - TMA: W/states/GOUT through host TensorDescriptors: loads land in the accumulator's own layout (no register
   layout conversions, fewer registers), bounds handled by the copy engine;
+- STORE_GRAD: what the side output GOUT receives (``side_mode``): nothing (0), dW (1), the new W cast to GOUT's
+  dtype (2);
 - EVEN_NK: N and K are multiples of the tile: the epilogue's loads/stores go unmasked.
 """
 from __future__ import annotations
@@ -34,7 +36,8 @@ from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, tr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_wgrad_update", "rule_scalars", "pick_config", "render_kernel_source", "CONFIGS", "Config"]
+__all__ = ["launch_wgrad_update", "rule_scalars", "pick_config", "render_kernel_source", "CONFIGS", "Config",
+           "side_mode", "check_side_out", "SIDE_NONE", "SIDE_GRAD", "SIDE_CAST"]
 
 _TEMPLATE = TRITON_RULE_HEAD + '''
 
@@ -55,13 +58,22 @@ def _st(ptrs, val, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _cast_to(x, dtype: tl.constexpr):
+    # torch's cast: round to nearest, ties to even
+{cast_body}
+
+
+@triton.jit
 def _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask,
            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STORE_GRAD: tl.constexpr):
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}BN, BK)
     _st(W + off, {new_p}, mask, EVEN)
 {state_stores}
-    if STORE_GRAD:
+    if STORE_GRAD == 1:
         _st(GOUT + off, g, mask, EVEN)
+    if STORE_GRAD == 2:
+        # the new W's low-precision copy (side_mode): round to nearest even, as torch's cast
+        _st(GOUT + off, _cast_to({new_p}, GOUT.dtype.element_ty), mask, EVEN)
 
 
 @triton.jit
@@ -95,7 +107,7 @@ def _chunk_tma(g, W, {state_ptrs}GOUT, {scalar_params}row0, col0,
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}BN, BK)
     W.store([row0, col0], {new_p})
 {tma_stores}
-    if STORE_GRAD:
+    if STORE_GRAD:   # 1 only: launch_spec takes the pointer path for the cast copy (2)
         GOUT.store([row0, col0], g)
 
 
@@ -272,7 +284,23 @@ def render_kernel_source(ep: Epilogue, table: bool = False) -> str:
         tma_loads="\n".join(f"    {s} = {p}.load([row0, col0])" for s, p in zip(states, ptrs)),
         tma_stores="\n".join(f"    {p}.store([row0, col0], {v})" for p, v in zip(ptrs, new_vars[1:])),
         tma_pf_stores="\n".join(f"            {p}.store([row0, col0], {v})" for p, v in zip(ptrs, new_vars[1:])),
+        cast_body=_CAST_BODY[ep.target],
     )
+
+
+_CAST_BODY = {
+    "cuda": '    return x.to(dtype, fp_downcast_rounding="rtne")',
+    # the interpreter truncates fp32 -> bf16 (and its "rtne" rounds ties away from zero): the rounding on the
+    # bits, NaN kept; fp32 -> fp16 is numpy's cast there, which rounds to nearest even
+    "interpret": """\
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        y = tl.where(x != x, x.to(tl.bfloat16), (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    else:
+        y = x.to(dtype)
+    return y""",
+}
 
 
 _KERNELS: dict[tuple[str, str, bool], tuple[Epilogue, object]] = {}
@@ -454,6 +482,29 @@ def _warn_tf32_once() -> None:
                     "regime where fusion is faster")
 
 
+# The kernels' optional side output ``side_out``, an [N, K] contiguous tensor on the weight's device: fp32 receives
+# the dW the update consumed (tests and exactness checks), bf16/fp16 the updated weight cast to that dtype -- the
+# low-precision copy the next forward's matmuls read under autocast (compile_train_step(cast_weights_in_update=True))
+# written from the registers that hold the new W anyway, instead of a separate cast kernel reading W again.
+SIDE_NONE, SIDE_GRAD, SIDE_CAST = 0, 1, 2
+_CAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def side_mode(side_out) -> int:
+    if side_out is None:
+        return SIDE_NONE
+    return SIDE_CAST if side_out.dtype in _CAST_DTYPES else SIDE_GRAD
+
+
+def check_side_out(side_out, weight) -> None:
+    if side_out is None:
+        return
+    if (side_out.dtype not in (torch.float32, *_CAST_DTYPES) or not side_out.is_contiguous()
+            or side_out.shape != weight.shape or side_out.device != weight.device):
+        raise ValueError("forge: side_out must be a contiguous [N, K] tensor on the weight's device: fp32 (dW) or "
+                         "bf16/fp16 (the updated weight's copy)")
+
+
 def split_states(rule: Rule, states, table=None):
     """(tensor states, scalar states) of a launch: ``states`` in the rule's order, or -- a launch reading its
     scalars from a ``table`` row -- the tensor states alone (the caller keeps the scalar states)."""
@@ -478,7 +529,7 @@ def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor) -> None
                          f"1-D tensor on {weight.device} (rule_scalars()), got {got}")
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, table=None):
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None):
     """Checks, host scalars, config: everything of a launch except the launch and the scalar-state update.
     ``table``: the rule's scalars are read from this device row (``states`` = the tensor states; no scalar
     states to advance)."""
@@ -494,8 +545,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, tab
     for s in (weight, *tensor_states):
         if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != weight.shape:
             raise ValueError("forge: weight and tensor states must be contiguous fp32 [N, K] tensors")
-    if grad_out is not None and (grad_out.dtype != torch.float32 or not grad_out.is_contiguous()):
-        raise ValueError("forge: grad_out must be a contiguous fp32 [N, K] tensor")
+    check_side_out(side_out, weight)
     if table is None:
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
     else:
@@ -515,20 +565,22 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, grad_out, config, tab
     if tf32:
         _warn_tf32_once()
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
-    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, grad_out, scalars, upcast, interpret, tf32)
+    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, side_out, scalars, upcast, interpret, tf32)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
-def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, upcast: bool, interpret: bool,
+def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, upcast: bool, interpret: bool,
                 tf32: bool = False):
     """grid, positional args and keyword options of one kernel launch (``tf32``: the upcast dot in TF32)."""
     n, k = weight.shape
     m = x.shape[0]
     grid = (triton_cdiv(n, cfg.bn) * triton_cdiv(k, cfg.bk),)
-    gout = grad_out if grad_out is not None else weight
+    gout = side_out if side_out is not None else weight
     epi = [weight, *tensor_states, gout]
-    # TMA: 16-byte aligned bases and row strides (k % 4 for fp32); otherwise the pointer epilogue
-    tma = cfg.tma and k % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in epi)
+    mode = side_mode(side_out)
+    # TMA: 16-byte aligned bases and row strides (k % 4 for fp32); otherwise the pointer epilogue, which also
+    # writes the cast copy (its store converts in registers; a TMA store would need a second smem tile)
+    tma = cfg.tma and mode != SIDE_CAST and k % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in epi)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -539,7 +591,7 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, 
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
         EVEN_M=(m % cfg.bm == 0), EVEN_NK=(n % cfg.bn == 0 and k % cfg.bk == 0), UPCAST=upcast,
-        DOT_PREC=cfg.fp32_dot if tf32 else "ieee", STORE_GRAD=grad_out is not None, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
+        DOT_PREC=cfg.fp32_dot if tf32 else "ieee", STORE_GRAD=mode, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
         PIPE=0 if tma else cfg.pipe,
         num_warps=cfg.warps, num_stages=cfg.stages,
         # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
@@ -550,15 +602,15 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, grad_out, scalars, 
     return grid, args, opts
 
 
-def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: str | None = None,
+def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: str | None = None,
                  table=None):
     """(benchmarks) A zero-argument callable that launches the kernel alone, host part done once; it
     returns the CompiledKernel (``.n_regs``, ``.n_spills``). Scalar states are NOT advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config, table)
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config, table)
     return lambda: kernel[grid](*args, **opts)
 
 
-def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=None, *, config: str | None = None,
+def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: str | None = None,
                         table=None):
     """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
 
@@ -588,39 +640,39 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, grad_out=N
             kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None,
                     fp32_dot_precision(dy_t, x))
             memo_states = states if table is None else (*states, table)
-            memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, grad_out)
+            memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, side_out)
             if launch_memo.lookup(memo_key, states, hparams):
                 return
-        choice = autotune.choose(weight, dy_t, x, states, hparams, rule, grad_out, table) if tuned else None
+        choice = autotune.choose(weight, dy_t, x, states, hparams, rule, side_out, table) if tuned else None
         gcfg = None
         if choice is not None and choice.family == "gluon":
             gcfg = choice.config
             try:
-                wg.launch(weight, dy_t, x, states, hparams, rule, grad_out, config=gcfg, table=table)
+                wg.launch(weight, dy_t, x, states, hparams, rule, side_out, config=gcfg, table=table)
                 ran_gluon = True
             except Exception as e:  # a choice from the cache file that does not build here: the untuned path
-                autotune.forget(weight, dy_t, x, states, rule, grad_out, why=e, table=table)
+                autotune.forget(weight, dy_t, x, states, rule, side_out, why=e, table=table)
                 gcfg = None
-                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
+                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
         elif choice is not None:
             ran_gluon, config = False, choice.config
         else:
-            ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, grad_out, table=table)
+            ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
         if ran_gluon:
             if memo_key is not None:
-                _remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule, grad_out,
+                _remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule, side_out,
                                                               config=gcfg, table=table),
                           wg._source_for(rule)[0], states, hparams, table)
             return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, grad_out, config, table)
+        weight, dy_t, x, states, hparams, rule, side_out, config, table)
     kernel[grid](*args, **opts)
     # the scalar states advance once per launch, after the kernel consumed their old values
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
     if memo_key is not None:
-        _remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, grad_out, config, table),
+        _remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, side_out, config, table),
                   _kernel_for(rule, "cuda")[0], states, hparams, table)
 
 

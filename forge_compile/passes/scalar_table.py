@@ -165,7 +165,7 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
             if n.target is _FUSED:
                 w, dy_t, x = n.args[:3]
                 new = graph.call_function(torch.ops.forge.wgrad_update_table_.default,
-                                          (w, dy_t, x, tensor_states, sel, rule.name))
+                                          (w, dy_t, x, tensor_states, sel, rule.name), dict(n.kwargs))
                 new.meta["forge"] = "wgrad_update"
             else:
                 p, g = n.args[:2]
