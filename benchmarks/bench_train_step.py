@@ -19,6 +19,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
   step_graphs_recompute  (only with --routes) step_graphs with recompute_weight_copies=True: the bf16 weight copies
                    cast again in the backward instead of kept from the forward (less memory, one more cast)
+  step_cast, step_graphs_cast  (only with --routes) step / step_graphs with cast_weights_in_update=True: each fused
+                   update writes its weight's bf16 copy, which the next forward reads instead of casting W (one
+                   cast kernel less per weight and step; the copies, 2 B per parameter, stay between steps)
   baseline_graphs  (only with --routes) the baseline with torch.compile(mode="reduce-overhead") (Inductor's CUDA
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
   backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
@@ -73,12 +76,14 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_graphs", "step_graphs_recompute", "backend",
-          "backend_graphs")   # table order
+ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_recompute",
+          "step_graphs_cast", "backend", "backend_graphs")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
-FORGE_ROUTES = ("step", "step_graphs", "step_graphs_recompute", "backend", "backend_graphs")
-STEP_ROUTES = ("step", "step_graphs", "step_graphs_recompute")          # compile_train_step: one graph, no .grad
-GRAPH_ROUTES = ("step_graphs", "step_graphs_recompute", "baseline_graphs", "backend_graphs")   # replayed CUDA graphs
+# compile_train_step: one graph, no .grad
+STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_recompute", "step_graphs_cast")
+FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs")
+GRAPH_ROUTES = ("step_graphs", "step_graphs_recompute", "step_graphs_cast", "baseline_graphs",
+                "backend_graphs")   # replayed CUDA graphs
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -192,8 +197,9 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
             opt.zero_grad(set_to_none=True)
             return loss
         return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
-                                        cuda_graphs=route != "step",
-                                        recompute_weight_copies=route == "step_graphs_recompute"), None
+                                        cuda_graphs=route not in ("step", "step_cast"),
+                                        recompute_weight_copies=route == "step_graphs_recompute",
+                                        cast_weights_in_update=route.endswith("_cast")), None
 
     if route in ("backend", "backend_graphs"):
         import forge_compile  # noqa: F401  (registers backend="forge")

@@ -286,11 +286,14 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_weight_copies=False):
+def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_weight_copies=False,
+                    cast_weights_in_update=False):
     """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route (``cuda_graphs``:
-    route step replayed as one CUDA graph; ``recompute_weight_copies``: see forge.compile_train_step)."""
+    route step replayed as one CUDA graph; ``recompute_weight_copies``, ``cast_weights_in_update``: see
+    forge.compile_train_step)."""
     if route == "step":
-        @forge.compile_train_step(cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies)
+        @forge.compile_train_step(cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
+                                  cast_weights_in_update=cast_weights_in_update)
         def train_step(x, y):
             with autocast():
                 loss = lm_loss(model(x), y)
@@ -427,7 +430,8 @@ def train(args):
              model_name(args), args.size, n_params / 1e6, args.route, device,
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
-    train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs, args.recompute_weight_copies)
+    train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
+                                 args.cast_weights_in_update)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -625,6 +629,9 @@ def parse_args(argv):
     p.add_argument("--recompute-weight-copies", action="store_true",
                    help="route step: cast autocast's weight copies again in the backward instead of keeping them "
                         "(less memory, one more cast per step)")
+    p.add_argument("--cast-weights-in-update", action="store_true",
+                   help="route step: each fused update writes its weight's autocast copy for the next forward "
+                        "(one cast kernel less per weight and step; the copies stay between steps)")
     p.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.optim.AdamW(fused=True) (default: on CUDA only)")
     p.add_argument("--untimed-steps", type=int, default=3,

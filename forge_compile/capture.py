@@ -38,6 +38,7 @@ from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mi
                               plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward, weight_copies_kept
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
+from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -97,6 +98,7 @@ class _Compiled:
     graph: StepGraph | None = None     # cuda_graphs: the replayed step (fn's last input is ``table``)
     table: torch.Tensor | None = None  # cuda_graphs: the scalar table, row r for plan ``table_plans[r]``
     table_plans: tuple = ()
+    casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
 
 
 def _tensor_meta(t):
@@ -152,8 +154,12 @@ class _OptimizerReads:
 
 class CompiledTrainStep:
     def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                 cuda_graphs=False, recompute_weight_copies=False):
+                 cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False):
         functools.update_wrapper(self, fn)
+        if recompute_weight_copies and cast_weights_in_update:
+            raise TypeError("compile_train_step: recompute_weight_copies and cast_weights_in_update exclude each "
+                            "other (the first drops the weight copies from the step, the second keeps them "
+                            "between steps)")
         unknown = set(options or {}) - _compat.inductor_option_names()
         if unknown:
             raise TypeError(f"compile_train_step: unknown Inductor options {sorted(unknown)} "
@@ -170,6 +176,7 @@ class CompiledTrainStep:
         self._fuse = fuse
         self._cuda_graphs = bool(cuda_graphs)
         self._recompute_weight_copies = bool(recompute_weight_copies)
+        self._cast_weights = bool(cast_weights_in_update)
         self._explicit_models = models
         self._explicit_optimizers = optimizers
         self._cache: dict = {}
@@ -310,9 +317,23 @@ class CompiledTrainStep:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
-        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse, after_copies=self._recompute_weight_copies)
-        remat_for_backward(gm, out_info["n"])
+        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse,
+                                          after_copies=self._recompute_weight_copies or self._cast_weights)
         report = FusionReport(decisions, graph="train_step")
+        out_info["casts"] = ()
+        if self._cast_weights:
+            n_pre = len(flat) - len([l for l in leaves if isinstance(l, torch.Tensor)])
+            first_arg = placeholders[n_pre] if n_pre < len(placeholders) else None
+            casts = cast_weights_in_update(gm, names, first_arg)
+            index = {ph: i for i, ph in enumerate(placeholders[:len(params)])}
+            done = [c for c in casts if c.placeholder is not None]
+            out_info["casts"] = tuple((index[c.weight], c.dtype) for c in done)
+            report.notes.append(
+                f"cast_weights_in_update: {len(done)} fused weights' low-precision copies are written by their "
+                f"update ({sum(_numel(c.weight) for c in done) * 2 / 2**20:.1f} MiB kept between steps)")
+            report.notes += [f"cast_weights_in_update: {c.name} is cast by the step as usual: {c.reason}"
+                             for c in casts if c.placeholder is None]
+        remat_for_backward(gm, out_info["n"])
         if self._recompute_weight_copies:
             kept = weight_copies_kept(gm, out_info["n"], placeholders[:len(params)])
             report.notes.append(f"recompute_weight_copies: {kept} parameters' cast copies are still kept from the "
@@ -324,15 +345,16 @@ class CompiledTrainStep:
         out_info["table"] = None
         if self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
-                                                report)
+                                                report, len(out_info["casts"]))
         rewritten_code = format_graph(gm)
         write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
         return gm, report, out_info
 
-    def _use_table(self, gm, plans, states, hparams, first_state, names, report):
+    def _use_table(self, gm, plans, states, hparams, first_state, names, report, n_casts=0):
         """cuda_graphs: rewrite the graph's updates to read a scalar table (passes/scalar_table.py); returns
         ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
-        replayed as a graph and runs as without cuda_graphs."""
+        replayed as a graph and runs as without cuda_graphs. ``n_casts``: weight-copy placeholders between the
+        hyper-parameters and the step's tensor arguments (cast_weights_in_update)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         plan_of, scalar_inputs = {}, set()
         pos = first_state
@@ -347,7 +369,8 @@ class CompiledTrainStep:
                 plan_of[placeholders[pos]] = i
                 scalar_inputs.add(placeholders[pos])
                 pos += 1
-        # the placeholders after the hyper-parameters are the step's tensor arguments
+        pos += n_casts
+        # the placeholders after the hyper-parameters (and weight copies) are the step's tensor arguments
         labels = dict(names)
         labels.update((ph, f"the step's tensor argument {j}") for j, ph in enumerate(placeholders[pos:]))
         blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]), labels)
@@ -413,11 +436,14 @@ class CompiledTrainStep:
             entry = self._cache.get(key)
         plans = [(opt, pl) for opt, pls in opt_plans for pl in pls]
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
-        flat = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
-                + [s for ss in states for s in ss] + [h for hh in hparams for h in hh] + arg_tensors)
+        pre = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
+               + [s for ss in states for s in ss] + [h for hh in hparams for h in hh])
+        flat = pre + arg_tensors
         if entry is None:
             gm, report, out_info = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
                                                plans, states, hparams, flat, args, kwargs)
+            # the graph's inputs: the weight copies go between the hyper-parameters and the tensor arguments
+            flat = pre + weight_casts(walk.params, out_info["casts"]) + arg_tensors
             table = None
             if out_info["table"] is None:
                 gm = _decompose_remaining_updates(gm, flat)
@@ -429,7 +455,8 @@ class CompiledTrainStep:
             with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge():
                 compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
             report.notes.extend(_clone_notes())
-            entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"])
+            entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
+                              casts=out_info["casts"])
             if table is not None:
                 n_static = len(flat) - len(arg_tensors)
                 entry.graph = StepGraph(compiled, range(n_static, len(flat)))
@@ -439,12 +466,16 @@ class CompiledTrainStep:
             counters["compiles"] += 1
             log.info("forge: compiled train step\n%s", report)
         self.last_report = entry.report
+        if entry.casts:
+            flat = pre + weight_casts(walk.params, entry.casts) + arg_tensors
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
             fill_table(entry.table, [(plans[i][1].rule, states[i], hparams[i]) for i in entry.table_plans])
             outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
+        if entry.casts:
+            note_weight_casts_current(walk.params, entry.casts)
         outs = list(outs)
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
             p.grad = g
@@ -474,6 +505,50 @@ class CompiledTrainStep:
                 if not existed:
                     opt.state.pop(p, None)
         return report
+
+
+# cast_weights_in_update: one low-precision copy per (parameter, dtype), shared by every compiled step, with the
+# parameter's version counter as of the copy's last write. A step's graph reads the copy as W.to(dtype) at the step's
+# start and its fused update writes the new W's copy into it; anything else that writes the parameter (an in-place
+# op, load_state_dict, another optimizer) moves the version, and the next call casts again. A write through ``.data``
+# does not move it (``.data`` has its own version counter): such code must not be mixed with the option.
+_WEIGHT_CASTS = WeakIdKeyDictionary()
+
+
+def weight_casts(params, casts) -> list:
+    """The copy inputs of a step: ``casts`` = (parameter index, dtype) pairs. Copies keep their storage across calls
+    (a CUDA graph replays their addresses); a stale one is cast again in place."""
+    out = []
+    for i, dtype in casts:
+        p = params[i]
+        by_dtype = _WEIGHT_CASTS.get(p)
+        if by_dtype is None:
+            by_dtype = _WEIGHT_CASTS[p] = {}
+        hit = by_dtype.get(dtype)
+        if hit is None or hit[0].shape != p.shape or hit[0].device != p.device:
+            with torch.no_grad():
+                hit = by_dtype[dtype] = [p.detach().to(dtype, memory_format=torch.contiguous_format), p._version]
+            counters["weight_casts_made"] += 1
+        elif hit[1] != p._version:
+            with torch.no_grad():
+                hit[0].copy_(p.detach())
+            hit[1] = p._version
+            counters["weight_casts_refreshed"] += 1
+        out.append(hit[0])
+    return out
+
+
+def note_weight_casts_current(params, casts) -> None:
+    """After a step: its fused updates wrote each copy from the new W, so the copy matches the parameter's version
+    now (the update moved it, or -- replayed in a CUDA graph -- no Python ran and it did not move)."""
+    for i, dtype in casts:
+        p = params[i]
+        _WEIGHT_CASTS[p][dtype][1] = p._version
+
+
+def _numel(node) -> int:
+    v = node.meta.get("val")
+    return v.numel() if v is not None else 0
 
 
 def _clone_notes():
@@ -512,7 +587,7 @@ def _decompose_remaining_updates(gm, flat):
 
 
 def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                       cuda_graphs=False, recompute_weight_copies=False):
+                       cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False):
     """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
     into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
     options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``).
@@ -529,9 +604,19 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     weight that the forward's matmul reads is cast again in the backward for dX = dY @ W (each fused update then
     runs after that matmul) instead of being kept from the forward, as torch.compile keeps it -- 2 bytes per
     parameter less at the forward/backward boundary, where the peak usually sits, for one more cast (6 bytes of
-    traffic) per parameter and step. Values are identical either way."""
+    traffic) per parameter and step. Values are identical either way.
+
+    ``cast_weights_in_update=True`` trades memory for time under autocast: each fused update also writes its new
+    weight's low-precision copy (2 bytes per parameter of stores, from the registers holding the new W), which the
+    next step's forward reads instead of casting the weight again (a separate kernel reading 4 and writing 2 bytes
+    per parameter). The copies stay allocated between steps (2 bytes per parameter) and replace the copies the
+    step would keep from the forward for the backward. Values are identical. A copy is cast again whenever its
+    parameter's version counter moved outside the step (in-place edits, ``load_state_dict``); writes through
+    ``param.data`` do not move it and would leave the copy stale: do not combine them with this option.
+    Excludes ``recompute_weight_copies``."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
-              cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies)
+              cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
+              cast_weights_in_update=cast_weights_in_update)
     if fn is None:
         return lambda f: CompiledTrainStep(f, **kw)
     return CompiledTrainStep(fn, **kw)

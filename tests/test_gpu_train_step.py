@@ -152,3 +152,49 @@ def test_cuda_fused_adamw_keeps_device_step_format():
     assert all(float(opt.state[p]["step"]) == 4.0 for p in model.parameters())
     for a, b in zip(model.parameters(), ref.parameters()):
         assert (a - b).abs().max().item() <= 2e-4
+
+
+def _cast_run(cast, cuda_graphs, d=1024, layers=4, tokens=512, steps=5):
+    """bf16-autocast forge step of a linear stack with an in-place weight edit before step 3: (losses, parameters,
+    states, report, capture counters)."""
+    from forge_compile import capture
+
+    capture.counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def body(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step = forge.compile_train_step(body, cuda_graphs=cuda_graphs, cast_weights_in_update=cast)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for i in range(steps):
+        if i == 3:
+            with torch.no_grad():
+                model[1].weight.mul_(0.5)
+        losses.append(step(torch.randn(tokens, d, device="cuda", generator=g)).item())
+    torch.cuda.synchronize()
+    states = [s.clone() for p in model.parameters() for s in opt.state[p].values()]
+    return losses, [p.detach().clone() for p in model.parameters()], states, step.last_report, \
+        dict(capture.counters), model
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_cast_weights_in_update_is_bitwise_the_same(cuda_graphs):
+    # the fused kernels (Gluon pointer epilogues on the H200) write each new weight's bf16 copy; the next forward
+    # reads it instead of casting: the same values bitwise, the copies current after every step
+    from forge_compile import capture
+
+    l1, p1, s1, rep, counts, model = _cast_run(True, cuda_graphs)
+    l0, p0, s0, _, _, _ = _cast_run(False, cuda_graphs)
+    assert l1 == l0
+    assert all(torch.equal(a, b) for a, b in zip(p1, p0))
+    assert all(torch.equal(a, b) for a, b in zip(s1, s0))
+    assert any("4 fused weights' low-precision copies" in n for n in rep.notes), rep.notes
+    assert counts.get("weight_casts_made") == 4 and counts.get("weight_casts_refreshed") == 1, counts
+    for p in model.parameters():
+        assert torch.equal(capture._WEIGHT_CASTS[p][torch.bfloat16][0], p.detach().bfloat16())

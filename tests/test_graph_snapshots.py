@@ -195,6 +195,54 @@ v24 = aten.select(in38, 0, 3)
 v25 = forge.rule_update_(in3, v15, [in14, in15], v24, 'adamw[amsgrad=False,maximize=False,weight_decay=True]')""")
 
 
+    def test_cast_weights_in_update(self):
+        # the model of test_recompute_weight_copies: each weight's bf16 cast is gone, the forward's and the
+        # backward's mms read a copy input (between the hyper-parameters and the step's argument, now in6; in the
+        # fused updates' order: in4 the second layer's, in5 the first's), and each fused update -- after every
+        # reader of its copy, so after the second layer's dX mm -- writes the new weight's copy into it
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3, bias=False))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+        def step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward(); opt.step(); opt.zero_grad(); return loss
+        g, rep = _rewritten(step, torch.randn(2, 5, 4), cast_weights_in_update=True)
+        self.assertIn("2 fused weights' low-precision copies are written by their update", " ".join(rep.notes))
+        self.assertExpectedInline(g, """\
+v0 = aten._to_copy(in6, dtype=torch.bfloat16)
+v1 = aten.t(in5)
+v2 = aten.view(v0, [10, 4])
+v3 = aten.mm(v2, v1)
+v4 = aten._unsafe_view(v3, [2, 5, 6])
+v5 = aten.t(in4)
+v6 = aten.view(v4, [10, 6])
+v7 = aten.mm(v6, v5)
+v8 = aten._unsafe_view(v7, [2, 5, 3])
+v9 = aten._to_copy(v8, dtype=torch.float32)
+v10 = aten.pow.Tensor_Scalar(v9, 2)
+v11 = aten.mean(v10)
+v12 = aten.ones_like(v11, memory_format=torch.preserve_format)
+v13 = aten.expand(v12, [2, 5, 3])
+v14 = aten.div(v13, 30)
+v15 = aten.pow.Tensor_Scalar(v9, 1.0)
+v16 = aten.mul(v15, 2.0)
+v17 = aten.mul(v14, v16)
+v18 = aten._to_copy(v17, dtype=torch.bfloat16)
+v19 = aten.view(v18, [10, 3])
+v20 = aten.t(v19)
+v21 = aten.t(v5)
+v22 = aten.mm(v19, v21)
+v23 = forge.wgrad_update_(in1, v20, v6, [], [in3], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]', cast_out=in4)
+v24 = aten.view(v22, [2, 5, 6])
+v25 = aten.view(v24, [10, 6])
+v26 = aten.t(v25)
+v27 = aten._to_copy(in6, dtype=torch.bfloat16)
+v28 = aten.view(v27, [10, 4])
+v29 = forge.wgrad_update_(in0, v26, v28, [], [in2], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]', cast_out=in5)
+return [v11]""")
+
     def test_recompute_weight_copies(self):
         # two bias-free linears on 3-D activations under bf16 autocast. Default: autograd computes the second
         # layer's dW before its dX, the fused update follows its dW mm, and dX reads the forward's bf16 copy (kept

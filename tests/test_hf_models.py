@@ -206,16 +206,18 @@ def test_hf_decoder_cuda_graphs_match_torch_optim(family, tied):
     _assert_fusion(model, report, prefix, tied)
 
 
+@pytest.mark.parametrize("option", ["recompute_weight_copies", "cast_weights_in_update"])
 @pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
-def test_hf_decoder_recompute_weight_copies_is_bitwise_the_same(family, tied):
+def test_hf_decoder_weight_copy_options_are_bitwise_the_same(family, tied, option):
     # bf16 autocast (CPU): recompute_weight_copies=True recasts every fused weight's bf16 copy in the backward
-    # instead of keeping the forward's; the cast reads the same, not yet updated, W, so nothing may differ
-    def train(recompute):
+    # instead of keeping the forward's; cast_weights_in_update=True reads the copy each fused update wrote in the
+    # step before (the first: cast at the call). Either way the copy is bf16 of the same, not yet updated, W
+    def train(on):
         torch.manual_seed(0)
         model = _make(family, tied)
         opt = _adamw(model.parameters())
 
-        @forge.compile_train_step(recompute_weight_copies=recompute)
+        @forge.compile_train_step(**{option: on})
         def step(x, y):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = _loss(model(input_ids=x).logits.float(), y)
@@ -228,8 +230,11 @@ def test_hf_decoder_recompute_weight_copies_is_bitwise_the_same(family, tied):
 
     kept, kept_opt, kept_losses, kept_report = train(False)
     model, opt, losses, report = train(True)
-    assert len(report.fused) == len(kept_report.fused) == 7 * model.config.num_hidden_layers + (not tied)
-    assert any("no parameter's cast copy is kept" in n for n in report.notes), str(report)
+    n_fused = 7 * model.config.num_hidden_layers + (not tied)
+    assert len(report.fused) == len(kept_report.fused) == n_fused
+    note = ("no parameter's cast copy is kept" if option == "recompute_weight_copies" else
+            f"{n_fused} fused weights' low-precision copies are written by their update")
+    assert any(note in n for n in report.notes), str(report)
     assert all(torch.equal(a, b) for a, b in zip(kept_losses, losses))
     for (n, a), b in zip(model.named_parameters(), kept.parameters()):
         assert torch.equal(a, b), n
