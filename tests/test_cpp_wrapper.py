@@ -72,3 +72,31 @@ def test_unknown_options_are_refused_before_compiling():
     with pytest.raises(Exception, match="unknown options"):
         cm(torch.randn(2, 32))
     assert all(p.grad is None for p in model.parameters())
+
+
+def _train_cast(cpp, device):
+    # compile_train_step(cast_weights_in_update=True) under bf16 autocast: the fused op's optional mutated argument
+    # (cast_out) through the C++ wrapper's proxy call
+    model = _model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def body(x, y):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = forge.compile_train_step(body, options={"cpp_wrapper": True} if cpp else {}, cast_weights_in_update=True)
+    losses = [step(x, y).item() for x, y in _batches(device)]
+    assert any("3 fused weights' low-precision copies" in n for n in step.last_report.notes), step.last_report.notes
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpp_wrapper_with_weight_casts_in_the_update(device, tmp_path, monkeypatch):
+    losses_py, params_py = _train_cast(False, device)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    losses_cpp, params_cpp = _train_cast(True, device)
+    sources = [f.read_text(errors="replace") for f in tmp_path.rglob("*.cpp")]
+    assert any('"forge::wgrad_update_"' in src for src in sources), f"{len(sources)} C++ sources, no forge call"
+    assert losses_cpp == losses_py
+    for a, b in zip(params_py, params_cpp):
+        assert torch.equal(a, b)

@@ -765,3 +765,40 @@ def test_gluon_gemm_refuses_a_wrong_output():
     for bad in (torch.empty_like(w), torch.empty(1024, 7, device="cuda", dtype=torch.float64)):
         with pytest.raises(ValueError, match="row sums"):
             wg.launch(w, dy_t, x, st, hp, rule, side_out=bad, config=wg.gemm_config())
+
+
+# ---- the new W's cast copy as side output (compile_train_step(cast_weights_in_update=True)) ---------------------
+
+def test_cast_copy_goes_to_a_pointer_epilogue():
+    from forge_compile.kernels.wgrad_update_triton import SIDE_CAST, SIDE_GRAD, SIDE_NONE
+
+    for m in (64, 256, 512, 1024, 2048, 4096, 8192):
+        for n_load in (1, 2, 3):
+            cast = wg.pick_for(m, n_load, 2, SIDE_CAST)
+            plain = wg.pick_for(m, n_load, 2, SIDE_NONE)
+            assert cast is not None and cast.epi in wg.POINTER_EPIS, (m, n_load, cast)
+            # the pick of the arrays read where that is a pointer epilogue already (AdamW everywhere)
+            if plain.epi in wg.POINTER_EPIS:
+                assert cast == plain
+            else:
+                assert cast == wg.smem_config()
+            # dW as side output is one more streamed array, as before
+            assert wg.pick_for(m, n_load, 2, SIDE_GRAD) == wg.pick_gconfig(m, n_load + 1, 2)
+    assert wg.pick_for(2048, 3, 2, SIDE_CAST).epi == "split" and wg.pick_for(256, 2, 2, SIDE_CAST).epi == "smem"
+
+
+def test_autotune_candidates_for_the_cast_copy_are_pointer_epilogues(fake_sm90):
+    from forge_compile.kernels import wgrad_update_autotune as at
+
+    for name in ("adamw", "sgdm"):
+        rule = RULES[name]
+        for m in (256, 2048):
+            w, dy_t, x, st, hp = _make(rule, 256, 128, m)
+            out = torch.empty_like(w, dtype=torch.bfloat16)
+            cands = at.candidates(rule, w, dy_t, x, st, out)
+            gl = [c.config for c in cands if c.family == "gluon"]
+            assert gl and all(c.epi in wg.POINTER_EPIS for c in gl), (name, m, gl)
+            assert gl[0] == wg.pick_for(m, 1 + len([s for s in st if s.dim()]), 2, 2)
+            # and the tuning key tells the cast copy from dW and from nothing
+            keys = {at.tune_key(rule, w, dy_t, x, st, s) for s in (None, torch.empty_like(w), out)}
+            assert len(keys) == 3
