@@ -548,12 +548,14 @@ def hoist_sweep(args, log):
     return all_ok
 
 
-CAST_SHAPES = [(4096, 4096)] + E2E_SHAPES
-CAST_MS = (1024, 2048, 4096)
+# (rule, N, K, Ms): AdamW on 4096x4096 and the e2e shapes; SGD-momentum where its pick for the copy is the smem
+# kernel instead of the TMA ring (M <= 1024, pick_for) and where it is the split kernel (2048)
+CAST_CASES = ([("adamw", n, k, (1024, 2048, 4096)) for n, k in [(4096, 4096)] + E2E_SHAPES]
+              + [("sgdm", 4096, 4096, (256, 1024, 2048))])
 
 
 def cast_sweep(args, log):
-    """AdamW bf16, one process: the fused step without / with the new W's bf16 copy as side output
+    """bf16 activations, one process (CAST_CASES): the fused step without / with the new W's bf16 copy as side output
     (compile_train_step(cast_weights_in_update=True)) against the separate cast kernel the next forward runs
     without it (``w.to(bf16)`` into a buffer: 4 B read + 2 B written per parameter). gain = fused + cast - fused_cast:
     what the option saves per weight and step; the store's cost is fused_cast - fused. Checked first: the copy equals
@@ -569,9 +571,9 @@ def cast_sweep(args, log):
         return "triton", wt.bound_launch(w, dy_t, x, st, hp, rule, out)
 
     all_ok, rows = True, []
-    for n, k in CAST_SHAPES:
-        for m in CAST_MS:
-            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, n, k, m, seed=m)
+    for kind, n, k, ms in CAST_CASES:
+        for m in ms:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
             out = torch.empty_like(w, dtype=torch.bfloat16)
             w1, st1, w2, st2 = w.clone(), [s.clone() for s in st], w.clone(), [s.clone() for s in st]
             wt.launch_wgrad_update(w1, dy_t, x, st1, hp, rule, side_out=out)
@@ -584,15 +586,15 @@ def cast_sweep(args, log):
             path_c, with_cast = launcher(w, dy_t, x, st, hp, rule, out)
             t = {"fused": bench(plain), "fused_cast": bench(with_cast), "cast": bench(lambda: out.copy_(w))}
             t["gain"] = t["fused"] + t["cast"] - t["fused_cast"]
-            rows.append((n, k, m, path, path_c, t))
-            log(f"AdamW {n}x{k} M={m} ({path}/{path_c}): " + " | ".join(f"{k_} {v:.4f}" for k_, v in t.items())
+            rows.append((kind, n, k, m, t))
+            log(f"{kind} {n}x{k} M={m} ({path}/{path_c}): " + " | ".join(f"{k_} {v:.4f}" for k_, v in t.items())
                 + ("" if ok else " | CHECK FAILED"))
             del w, dy_t, x, st, out
             torch.cuda.empty_cache()
-    keys = list(rows[0][5])
-    log("\n" + f"{'N x K':>12} {'M':>6} " + " ".join(f"{k_:>10}" for k_ in keys))
-    for n, k, m, _, _, t in rows:
-        log(f"{f'{n}x{k}':>12} {m:>6} " + " ".join(f"{t[k_]:>10.4f}" for k_ in keys))
+    keys = list(rows[0][4])
+    log("\n" + f"{'rule':>6} {'N x K':>12} {'M':>6} " + " ".join(f"{k_:>10}" for k_ in keys))
+    for kind, n, k, m, t in rows:
+        log(f"{kind:>6} {f'{n}x{k}':>12} {m:>6} " + " ".join(f"{t[k_]:>10.4f}" for k_ in keys))
     return all_ok
 
 

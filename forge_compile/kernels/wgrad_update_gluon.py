@@ -768,8 +768,8 @@ def _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRA
     if STORE_GRAD == 1:
         gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
     if STORE_GRAD == 2:
-        gl.store(g_ptr + offs, {new_p}.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=msk, cache_modifier=ST_CM,
-                 eviction_policy=ST_EV)
+        gl.store(g_ptr + offs, {new_p}.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=msk,
+                 cache_modifier=ST_CM, eviction_policy=ST_EV)
 
 
 @gluon.jit
