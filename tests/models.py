@@ -125,3 +125,12 @@ class CorrectlyRoundedSqrt(torch.overrides.TorchFunctionMode):
         if func in (torch.sqrt, torch.Tensor.sqrt) and args[0].dtype == torch.float32:
             return torch.sqrt(args[0].double()).float()
         return func(*args, **kwargs)
+
+
+def rerun_recorder(fn, args):
+    """A step_graph recorder for CPU tests: "replaying" re-runs the step (the CUDA recorder records without running)."""
+    outs = []
+
+    def replay():
+        outs[:] = list(fn(*args))
+    return replay, outs

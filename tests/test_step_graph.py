@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
 from interpreter import run_child  # noqa: E402
-from models import MLP, Block  # noqa: E402
+from models import MLP, Block, rerun_recorder  # noqa: E402
 
 
 def _train(model, opt, cuda_graphs, batches, sched=None, replace_state_at=None, autocast=None):
@@ -194,14 +194,6 @@ def test_interpreter_tests_in_subprocess():
     run_child(__file__, timeout=900)
 
 
-def _rerun_recorder(fn, args):
-    outs = []
-
-    def replay():
-        outs[:] = list(fn(*args))
-    return replay, outs
-
-
 def _failing_recorder(fn, args):
     raise RuntimeError("no capture here")
 
@@ -219,7 +211,7 @@ def _pair(make_opt, model_fn=MLP, n=6, sched=False, replace_state_at=None, shape
     """The same training twice: replayed (recorder re-runs) and with every capture failing (the table path run
     eagerly). Returns both (model, opt, losses)."""
     out = []
-    for recorder in (_rerun_recorder, _failing_recorder):
+    for recorder in (rerun_recorder, _failing_recorder):
         sg.RECORDER[0] = recorder
         torch.manual_seed(0)
         model = model_fn()
@@ -252,7 +244,7 @@ def test_interpreter_replayed_step_is_the_eager_table_step(cpu_graphs, make_opt)
 def test_interpreter_replayed_step_follows_eager_torch_optim(cpu_graphs, make_opt):
     # the graphed step against plain eager training; not bitwise: the fused kernels sum dW in tiles (another
     # order than torch.mm) -- the per-update exactness is tested in test_rule_update / test_wgrad_update_table
-    sg.RECORDER[0] = _rerun_recorder
+    sg.RECORDER[0] = rerun_recorder
     torch.manual_seed(0)
     m1 = MLP()
     m2 = copy.deepcopy(m1)
@@ -312,7 +304,7 @@ def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
         losses = [step(x, y).item() for x, y in _batches(5, (8, 16), (8, 8), "cpu")]
         return model, opt, losses, step.last_report
 
-    m1, o1, l1, rep = run(_rerun_recorder)
+    m1, o1, l1, rep = run(rerun_recorder)
     m2, o2, l2, _ = run(_failing_recorder)
     assert any("replayed as one CUDA graph; 3 updates" in n for n in rep.notes), rep.notes
     assert l1 == l2

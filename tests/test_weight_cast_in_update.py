@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from interpreter import run_child
+import forge_compile as forge
+from forge_compile import capture
 from forge_compile.kernels.wgrad_update import wgrad_update, wgrad_update_table
 from forge_compile.optim import rules as cat
+from interpreter import run_child
+from models import Block, TinyLM, rerun_recorder
 
 HAS_CUDA = torch.cuda.is_available()
 ADAMW = cat.adamw_rule()
@@ -194,14 +198,6 @@ def test_cuda_gluon_tma_ring_refuses_the_cast():
 
 # ---- the step: compile_train_step(cast_weights_in_update=True) ---------------------------------------------------
 
-import copy  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-
-import forge_compile as forge  # noqa: E402
-from forge_compile import capture  # noqa: E402
-from models import Block, TinyLM  # noqa: E402
-
 
 def _lm_batches(n, seed=1, vocab=40):
     g = torch.Generator().manual_seed(seed)
@@ -349,19 +345,11 @@ def test_tied_weight_and_options_that_exclude_each_other():
 
 # ---- the step replayed as a graph (CPU: the recorder re-runs the step; the table launches interpreted) ----------
 
-def _rerun_recorder(fn, args):
-    outs = []
-
-    def replay():
-        outs[:] = list(fn(*args))
-    return replay, outs
-
-
 def test_interpreter_replayed_step_with_weight_casts(interpret):
     from forge_compile import step_graph as sg
 
     sg.GRAPH_DEVICE[0] = "cpu"
-    sg.RECORDER[0] = _rerun_recorder
+    sg.RECORDER[0] = rerun_recorder
     try:
         def run(cast):
             sg.counters.clear()
