@@ -8,6 +8,8 @@
 #                      BENCH_ARGS2=... a second bench_wgrad_update.py run in the same call (e.g. another --cases)
 #   E2E_ARGS=...       bench_train_step.py arguments (stage skipped when unset); E2E_TIMEOUT
 #   PROFILE_ARGS=...   profile_train_step.py arguments (stage skipped when unset); PROFILE_TIMEOUT
+#   EXTRA=...          one more command, run after the tests (e.g. "python3 benchmarks/bench_embedding_update.py
+#                      --out $OUT"); EXTRA_TIMEOUT
 # Usage (device tool, carry [".whl"]): TESTS="tests/test_x.py" LAUNCH=1 bash benchmarks/gpu_session.sh
 set -u
 DEFAULT_TESTS="tests/test_wgrad_update_triton.py tests/test_wgrad_update.py"
@@ -31,6 +33,10 @@ if [ "${TESTS:-x}" != "0" ]; then
     ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
   stamp "pytest rc=$?"; grep -E "^[0-9.]+s (call|setup)" $OUT/pytest.log | head -8; tail -3 $OUT/pytest.log
   grep -E "^FAILED|^ERROR" $OUT/pytest.log | head -20
+fi
+if [ -n "${EXTRA:-}" ]; then
+  timeout ${EXTRA_TIMEOUT:-200} bash -c "$EXTRA" > $OUT/extra.log 2>&1
+  stamp "extra rc=$?"; tail -15 $OUT/extra.log
 fi
 if [ "${LAUNCH:-0}" = "1" ]; then
   timeout 120 python3 benchmarks/bench_launch_overhead.py --out $OUT > $OUT/launch.log 2>&1

@@ -318,7 +318,8 @@ class CompiledTrainStep:
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
         decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse,
-                                          after_copies=self._recompute_weight_copies or self._cast_weights)
+                                          after_copies=self._recompute_weight_copies or self._cast_weights,
+                                          embeddings=True)
         report = FusionReport(decisions, graph="train_step")
         out_info["casts"] = ()
         if self._cast_weights:

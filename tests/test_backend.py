@@ -644,7 +644,8 @@ def test_activation_checkpointing_under_autocast_matches_torch_compile(route):
     ref, _ = one_step("inductor")
     got, report = one_step(route)
     fused = {r.name.split(".", 1)[1] if route == "step" else r.name for r in report.fused}
-    assert len(fused) == 9, str(report)           # 4 per block + the head
+    # 4 per block + the head; the step route fuses the embedding's update too (forge::embedding_update_)
+    assert len(fused) == 9 + (route == "step"), str(report)
     for n, upd in got.items():
         rel = ((upd - ref[n]).abs().max() / ref[n].abs().max()).item()
         assert rel <= (1e-2 if n in fused else 1e-3), (n, rel)

@@ -7,6 +7,8 @@ Here each update instead reads the rule's kernel scalars (``rule_scalars``: bitw
 normal launch) from a row of one fp32 table on the device, which the step's runtime rewrites before every replay:
 - ``forge::wgrad_update_(w, dy_t, x, states, hparams, rule)`` -> ``forge::wgrad_update_table_(w, dy_t, x,
   tensor_states, table[row], rule)``;
+- ``forge::embedding_update_(w, grad_output, indices, states, hparams, rule, padding_idx)`` ->
+  ``forge::embedding_update_table_(w, grad_output, indices, tensor_states, table[row], rule, padding_idx)``;
 - ``forge::apply_rule_(p, g, states, hparams, rule)`` (left unfused) -> ``forge::rule_update_(p, g,
   tensor_states, table[row], rule)``: the rule's generated epilogue on the materialized gradient, bitwise eager
   ``rule.fn`` (kernels/rule_update.py) -- not the decomposed rule Inductor would compile.
@@ -37,6 +39,7 @@ counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
 _FUSED = torch.ops.forge.wgrad_update_.default
+_EMBEDDING = torch.ops.forge.embedding_update_.default
 # random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones.
 # Ops tagged nondeterministic_seeded draw them, except attention with dropout_p == 0 (SDPA's flash / efficient /
 # cuDNN kernels are tagged for their dropout and touch no generator without it); a few more by name.
@@ -48,12 +51,17 @@ def _meta(node):
 
 
 def _updates(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_APPLY, _FUSED)]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_APPLY, _FUSED, _EMBEDDING)]
 
 
 def _states_hparams(n):
-    # apply_rule_(param, grad, states, hparams, rule); wgrad_update_(weight, dy_t, x, states, hparams, rule)
+    # apply_rule_(param, grad, states, hparams, rule); wgrad_update_(weight, dy_t, x, states, hparams, rule);
+    # embedding_update_(weight, grad_output, indices, states, hparams, rule, padding_idx)
     return (n.args[2], n.args[3]) if n.target is _APPLY else (n.args[3], n.args[4])
+
+
+def _rule_of(n) -> str:
+    return n.args[4] if n.target is _APPLY else n.args[5]
 
 
 def table_width(rules) -> int:
@@ -92,7 +100,7 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
             name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
             return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
     for n in _updates(gm):
-        rule = get_rule(n.args[-1])
+        rule = get_rule(_rule_of(n))
         try:
             compile_epilogue(rule, "cuda")
         except EpilogueUnsupported as e:
@@ -144,7 +152,7 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
         if not keys:
             raise RuntimeError(f"forge: no optimizer plan for the update of {n.args[0]}")
         plan_rows.setdefault(plan_of[keys[0]], len(plan_rows))
-    width = table_width({get_rule(n.args[-1]) for n in updates})
+    width = table_width({get_rule(_rule_of(n)) for n in updates})
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         table = graph.placeholder("forge_scalar_table")
@@ -153,7 +161,7 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
         # the table's fake value, for passes and Inductor that read node.meta["val"]
         table.meta["val"] = fake.new_empty((len(plan_rows), width), dtype=torch.float32)
     for n in updates:
-        rule = get_rule(n.args[-1])
+        rule = get_rule(_rule_of(n))
         states, hparams = _states_hparams(n)
         key = ([h for h in hparams if h in plan_of] + [s for s in states if s in plan_of])[0]
         row = plan_rows[plan_of[key]]
@@ -167,12 +175,17 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
                 new = graph.call_function(torch.ops.forge.wgrad_update_table_.default,
                                           (w, dy_t, x, tensor_states, sel, rule.name), dict(n.kwargs))
                 new.meta["forge"] = "wgrad_update"
+            elif n.target is _EMBEDDING:
+                w, grad_output, indices = n.args[:3]
+                new = graph.call_function(torch.ops.forge.embedding_update_table_.default,
+                                          (w, grad_output, indices, tensor_states, sel, rule.name, n.args[6]))
+                new.meta["forge"] = "embedding_update"
             else:
                 p, g = n.args[:2]
                 new = graph.call_function(torch.ops.forge.rule_update_.default,
                                           (p, g, tensor_states, sel, rule.name))
         new.meta["val"] = None
-        counters["fused" if n.target is _FUSED else "unfused"] += 1
+        counters["unfused" if n.target is _APPLY else "fused"] += 1
         graph.erase_node(n)
     graph.lint()
     gm.recompile()

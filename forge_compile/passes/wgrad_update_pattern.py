@@ -4,6 +4,10 @@
 It runs on the pre-Inductor whole-step graph (make_fx output, mutations still explicit), where
 every optimizer update is one opaque ``apply_rule_`` node. A parameter is fused only when doing so is
 exact; otherwise it keeps the normal path and its ``FusionDecision`` says why.
+
+With ``embeddings=True`` (compile_train_step), ``embedding_dense_backward -> (views, upcast) -> apply_rule_``
+becomes ``forge::embedding_update_`` the same way: the embedding's dense gradient is never made either
+(kernels/embedding_update.py).
 """
 from __future__ import annotations
 
@@ -54,9 +58,16 @@ class FusionDecision:
 @dataclasses.dataclass
 class _Match:
     apply: fx.Node
-    mm: fx.Node
-    chain: list          # gradient-path nodes from the mm's user to the apply's grad input
+    mm: fx.Node          # the gradient's producer: aten.mm, or aten.embedding_dense_backward (embeddings=True)
+    chain: list          # gradient-path nodes from the producer's user to the apply's grad input
     transposed: bool     # dW == mm(...)^T
+
+    @property
+    def embedding(self) -> bool:
+        return self.mm.target is _EMB_BACKWARD
+
+
+_EMB_BACKWARD = aten.embedding_dense_backward.default
 
 
 def _meta(node):
@@ -78,8 +89,9 @@ def _describe_users(node: fx.Node, exclude) -> str:
     return ", ".join(names)
 
 
-def match_wgrad_update(apply: fx.Node) -> tuple[Optional[_Match], str]:
-    """Walk back from the update's gradient to the matmul producing it."""
+def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Optional[_Match], str]:
+    """Walk back from the update's gradient to the matmul (with ``embeddings``: or the embedding backward)
+    producing it."""
     grad = apply.args[1]
     chain = []
     transposed = False
@@ -93,6 +105,12 @@ def match_wgrad_update(apply: fx.Node) -> tuple[Optional[_Match], str]:
                           "(e.g. clip_grad_norm_ or a logged gradient norm)")
         if cur.target is aten.mm.default:
             return _Match(apply, cur, chain, transposed), ""
+        if embeddings and cur.target is _EMB_BACKWARD:
+            if transposed:
+                return None, "the embedding gradient is transposed on its way to the update"
+            if len(cur.args) > 4 and cur.args[4]:
+                return None, "embedding with scale_grad_by_freq=True"
+            return _Match(apply, cur, chain, False), ""
         if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
             return None, f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
@@ -215,7 +233,12 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         elif sv is None or tuple(sv.shape) != tuple(w.shape) or sv.dtype != torch.float32 or not sv.is_contiguous():
             return False, f"state {rule.states[i]!r} is not an fp32 contiguous tensor shaped like the parameter", None
     a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
-    if a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
+    if match.embedding:
+        if a is None or a.dtype not in _FUSED_DTYPES_IN or b is None or b.dtype not in (torch.int64, torch.int32):
+            return False, f"embedding gradient of {getattr(a, 'dtype', '?')} from {getattr(b, 'dtype', '?')} indices", None
+        if match.mm.args[2] != w.shape[0]:
+            return False, "the embedding gradient's row count is not the parameter's", None
+    elif a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
@@ -252,9 +275,10 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     return True, "", anchor
 
 
-def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False) -> list:
+def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False,
+                          embeddings: bool = False) -> list:
     """Rewrite the graph in place. ``names`` maps placeholder nodes to parameter names; ``after_copies``: see
-    ``should_fuse_wgrad_update``.
+    ``should_fuse_wgrad_update``; ``embeddings``: embedding weights too (``forge::embedding_update_``).
 
     Returns one FusionDecision per ``apply_rule_`` node (i.e. per updated parameter).
     """
@@ -276,7 +300,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         if w is None or w.dim() != 2:
             decisions.append(FusionDecision(name, shape, rule, False, "not a matrix (normal path)"))
             continue
-        match, reason = match_wgrad_update(node)
+        match, reason = match_wgrad_update(node, embeddings)
         anchor = None
         if match is not None:
             ok, reason, anchor = should_fuse_wgrad_update(match, order, after_copies)
@@ -293,6 +317,18 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     for match, anchor in rewrites:
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
+        if match.embedding:
+            grad_output, indices, _, padding_idx = match.mm.args[:4]
+            with graph.inserting_after(anchor):
+                fused = graph.call_function(torch.ops.forge.embedding_update_.default,
+                                            (weight, grad_output, indices, states, hparams, rule, padding_idx))
+            fused.meta["forge"] = "embedding_update"
+            graph.erase_node(apply)
+            for n in match.chain + [match.mm]:
+                if not n.users:
+                    graph.erase_node(n)
+            counters["fused_embedding"] += 1
+            continue
         a, b = match.mm.args
         with graph.inserting_after(anchor):
             if match.transposed:

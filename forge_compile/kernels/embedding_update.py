@@ -1,0 +1,252 @@
+"""``forge::embedding_update_``: an embedding weight's optimizer update from the embedding's backward input, without
+the dense gradient.
+
+Semantics (``reference_embedding_update`` below is the spec in plain torch):
+    dW = aten.embedding_dense_backward(grad_output, indices, V, padding_idx, False)   # [V, K]
+    weight, *states = rule.fn(weight, dW.float(), *states, *hparams)                   # in place
+autograd writes dW as a dense [V, K] tensor (zeros, then the rows of the tokens seen added in) and the optimizer
+reads it back: 8 bytes per parameter of traffic and 4 of memory (a 128k x 4096 vocabulary: 2.1 GB) for a gradient
+whose rows are mostly zero at fine-tuning batch sizes. Here the rows that are not zero are computed compactly --
+``compact_rows``: torch's own ``embedding_dense_backward`` on the indices renumbered 0..U-1 in order (the same sort,
+the same summation order per row, so each row is bitwise the dense one's) into an [M, K] buffer, plus a [V] map from
+row to its compact row (-1: no token, or the padding row) -- and the update kernel reads W/states in full, the
+gradient row through the map (zero where -1). Shapes are static (M tokens, V rows): no host sync, capturable in a
+CUDA graph.
+
+Read top to bottom: compaction, kernel template, launcher (CUDA / Triton's interpreter), CPU impl, op registration
+(``forge::embedding_update_`` with host hyper-parameters, ``forge::embedding_update_table_`` reading a scalar table
+row, as the fused linear ops).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .. import _compat
+from ..optim.rule import Rule, get_rule
+from .epilogue_codegen import compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .wgrad_update import triton_on_cpu
+
+log = logging.getLogger(__name__)
+
+__all__ = ["embedding_update", "embedding_update_table", "reference_embedding_update", "compact_rows",
+           "render_embedding_update_source"]
+
+aten = torch.ops.aten
+
+
+def reference_embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1):
+    """Plain-torch spec: the dense gradient, the rule applied in place; returns the gradient (tests only)."""
+    grad = aten.embedding_dense_backward(grad_output, indices, weight.shape[0], padding_idx, False).float()
+    with torch.no_grad():
+        get_rule(rule).apply(weight, grad, list(states), list(hparams))
+    return grad
+
+
+def compact_rows(grad_output, indices, num_rows: int, padding_idx: int = -1):
+    """(rows [M, K] in grad_output's dtype, pos [num_rows] int32): row r of the dense gradient is rows[pos[r]] where
+    pos[r] >= 0, else zero. M = indices.numel(); rows past the distinct indices' count are zero."""
+    flat = indices.reshape(-1)
+    srt, perm = torch.sort(flat, stable=True)
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[1:] = srt[1:] != srt[:-1]
+    seg_sorted = torch.cumsum(new, 0) - 1
+    seg = torch.empty_like(seg_sorted)
+    seg[perm] = seg_sorted
+    # the dense kernel itself on the renumbered indices: its per-row summation order depends only on which
+    # indices are equal and in what order, which renumbering in order keeps
+    rows = aten.embedding_dense_backward(grad_output, seg.view(indices.shape), max(1, flat.numel()), -1, False)
+    pos = torch.full((num_rows,), -1, dtype=torch.int32, device=flat.device)
+    pos[srt] = seg_sorted.to(torch.int32)
+    if padding_idx >= 0:
+        pos[padding_idx] = -1
+    return rows.reshape(-1, grad_output.shape[-1]), pos
+
+
+_TEMPLATE = TRITON_RULE_HEAD + '''
+
+@triton.jit
+def embedding_update_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
+                            BR: tl.constexpr, BK: tl.constexpr):
+{scalar_loads}    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < K)[None, :]
+    off = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    # the row's gradient: its compact row, or zero (no token, the padding row, past the end)
+    pos = tl.load(POS + rows, mask=rmask, other=-1)
+    g = tl.load(G + pos.to(tl.int64)[:, None] * K + cols[None, :], mask=mask & (pos >= 0)[:, None],
+                other=0.0).to(tl.float32)
+    p = tl.load(P + off, mask=mask, other=0.0)
+{state_loads}
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params}BR, BK)
+    tl.store(P + off, {new_p}, mask=mask)
+{state_stores}
+'''
+
+# rows x columns per program: 1024 elements per 4 warps, rule_update_'s block, which measured best there (2048: 1-8 %
+# slower; benchmarks/bench_rule_update.py) -- not measured for this kernel. sm_90 compile (triton 3.6): AdamW 64
+# registers, SGD-momentum 32, Lion 43, no spills
+BR, BK = 4, 256
+
+
+def render_embedding_update_source(ep) -> str:
+    states = ep.tensor_inputs[2:]
+    ptrs = [s.upper() for s in states]
+    new_vars = [f"new_{v}" for v in ("p", *states)]
+    return _TEMPLATE.format(
+        **triton_fields(ep, True, "SCAL"), module="embedding_update",
+        state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0)" for s, p in zip(states, ptrs)),
+        state_stores="\n".join(f"    tl.store({p} + off, {v}, mask=mask)" for p, v in zip(ptrs, new_vars[1:])),
+    )
+
+
+_KERNELS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _kernel_for(rule: Rule, target: str):
+    key = (rule.name, target)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        ep = compile_epilogue(rule, target)
+        mod = load_kernel_module(render_embedding_update_source(ep), "embedding_update_" + ep.source_key)
+        hit = (ep, mod.embedding_update_kernel)
+        with _LOCK:
+            _KERNELS.setdefault(key, hit)
+    return hit
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+
+
+def _check(weight, grad_output, indices, tensor_states):
+    if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError("forge: embedding_update: the weight must be a contiguous fp32 [V, K] tensor")
+    if grad_output.shape[-1] != weight.shape[1] or grad_output.shape[:-1] != indices.shape:
+        raise ValueError(f"forge: embedding_update: grad_output {list(grad_output.shape)} does not match indices "
+                         f"{list(indices.shape)} and weight {list(weight.shape)}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"forge: embedding_update: indices must be int64 or int32, got {indices.dtype}")
+    for s in tensor_states:
+        if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != weight.shape:
+            raise ValueError("forge: embedding_update: tensor states must be contiguous fp32 tensors like the weight")
+
+
+def launch_embedding_update(weight, grad_output, indices, tensor_states, table, rule: Rule,
+                            padding_idx: int = -1) -> None:
+    """Triton kernel (CUDA, or CPU tensors under the interpreter): the rule's scalars from ``table`` (an fp32 row on
+    the weight's device, ``wgrad_update_triton.rule_scalars``); scalar states are the caller's."""
+    from .wgrad_update_triton import _interpreting, check_table
+
+    interpret = not weight.is_cuda
+    if interpret and not _interpreting():
+        raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
+    check_table(ep, table, weight)
+    n, k = weight.shape
+    rows, pos = compact_rows(grad_output, indices, n, padding_idx)
+    grid = (-(-n // BR), -(-k // BK))
+    # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
+    kernel[grid](weight, rows.contiguous(), pos, *tensor_states, table, n, k, BR=BR, BK=BK, num_warps=4,
+                 enable_fp_fusion=False)
+
+
+def _host_table(rule: Rule, states, hparams, device):
+    """The scalar row a launch with host values reads (bitwise the fused linear kernels' host scalars), and the
+    scalar states' values after it."""
+    from .wgrad_update_triton import rule_scalars, split_states
+
+    tensor_states, scalar_states = split_states(rule, states)
+    values, new = rule_scalars(rule, scalar_states, hparams, "cuda" if device.type == "cuda" else "interpret")
+    host = torch.tensor(values, dtype=torch.float32)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return tensor_states, scalar_states, new, table
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU impl: the dense gradient's blocks built from the compact rows, the rule applied block by block
+
+
+def embedding_update_cpu(weight, grad_output, indices, states, hparams, rule_name, padding_idx=-1) -> None:
+    from .wgrad_update_cpu import cpu_block_shape, scratch, update_blocks_cpu
+
+    n, k = weight.shape
+    rows, pos = compact_rows(grad_output, indices, n, padding_idx)
+    rows = rows.float()
+    br, bc = cpu_block_shape(n, k)
+    gbuf, tbuf = scratch(br * bc)
+
+    def blocks():
+        for r0 in range(0, n, br):
+            r1 = min(n, r0 + br)
+            p = pos[r0:r1].long()
+            hit = (p >= 0).nonzero().squeeze(1)
+            for c0 in range(0, k, bc):
+                c1 = min(k, c0 + bc)
+                shape = (r1 - r0, c1 - c0)
+                g = gbuf[:shape[0] * shape[1]].view(shape).zero_()
+                g[hit] = rows[p[hit], c0:c1]
+                yield (slice(r0, r1), slice(c0, c1)), g, tbuf[:shape[0] * shape[1]].view(shape)
+    update_blocks_cpu(weight, states, hparams, rule_name, blocks())
+
+
+def embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1) -> None:
+    r = get_rule(rule)
+    if len(states) != len(r.states):
+        raise ValueError(f"embedding_update: rule {r.name!r} takes {len(r.states)} states, got {len(states)}")
+    _check(weight, grad_output, indices, [s for i, s in enumerate(states) if not r.is_scalar_state(i)])
+    if weight.is_cuda or triton_on_cpu():
+        tensor_states, scalar_states, new, table = _host_table(r, list(states), list(hparams), weight.device)
+        launch_embedding_update(weight, grad_output, indices, tensor_states, table, r, padding_idx)
+        with torch.no_grad():
+            for s, v in zip(scalar_states, new):
+                s.fill_(v)
+    else:
+        embedding_update_cpu(weight, grad_output, indices, list(states), list(hparams), rule, padding_idx)
+
+
+def embedding_update_table(weight, grad_output, indices, states, scalars, rule: str, padding_idx: int = -1) -> None:
+    if not weight.is_cuda and not triton_on_cpu():
+        raise RuntimeError("forge::embedding_update_table_ runs on CUDA tensors (on CPU only under Triton's "
+                           "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
+    _check(weight, grad_output, indices, states)
+    launch_embedding_update(weight, grad_output, indices, list(states), scalars, get_rule(rule), padding_idx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# op registration (as forge::wgrad_update_: torch.library.Library, impl under CompositeExplicitAutograd)
+
+_LIB = torch.library.Library("forge", "FRAGMENT")
+# cudagraph_unsafe as forge::wgrad_update_: host scalars of the step at each launch
+_LIB.define("embedding_update_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] states, "
+            "Tensor[] hparams, str rule, int padding_idx) -> ()", tags=_compat.cudagraph_unsafe_tags())
+_LIB.define("embedding_update_table_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] states, "
+            "Tensor scalars, str rule, int padding_idx) -> ()")
+
+
+def embedding_update_(weight, grad_output, indices, states, hparams, rule, padding_idx):
+    embedding_update(weight, grad_output, indices, states, hparams, rule, padding_idx)
+    torch.autograd.graph.increment_version([weight, *states])
+
+
+def embedding_update_table_(weight, grad_output, indices, states, scalars, rule, padding_idx):
+    embedding_update_table(weight, grad_output, indices, states, scalars, rule, padding_idx)
+    torch.autograd.graph.increment_version([weight, *states])
+
+
+_LIB.impl("embedding_update_", embedding_update_, "CompositeExplicitAutograd")
+_LIB.impl("embedding_update_table_", embedding_update_table_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::embedding_update_", lib=_LIB)
+def _(weight, grad_output, indices, states, hparams, rule, padding_idx):
+    return None
+
+
+@torch.library.register_fake("forge::embedding_update_table_", lib=_LIB)
+def _(weight, grad_output, indices, states, scalars, rule, padding_idx):
+    return None
