@@ -1,4 +1,5 @@
-"""``forge::embedding_update_``: an embedding weight's update from its backward input, no dense gradient.
+"""``forge::embedding_update_``: an embedding weight's update from its backward input, no dense gradient; and a tied
+embedding / output weight: ``forge::wgrad_update_`` with the embedding's rows added to the matmul's dW (emb=).
 
 Spec: ``reference_embedding_update`` (the dense gradient torch's autograd makes, then the rule). The compact rows are
 bitwise the dense gradient's rows (torch's own kernel on renumbered indices), so every impl is held to the
@@ -106,6 +107,60 @@ def test_op_updates_in_place_and_bumps_versions():
     assert st[0].item() == 4.0      # the step advanced once
 
 
+# ---- a tied weight: forge::wgrad_update_ with the embedding's contribution (emb=) -------------------------------
+
+def _tied(rule, n, k, m, shape, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w, go, idx, st, hp = _make(rule, n, k, shape, device, vocab_used=max(2, n // 3), seed=seed)
+    dy_t = torch.randn(m, n, generator=gen).to(device).t()
+    x = torch.randn(m, k, generator=gen).to(device)
+    return w, dy_t, x, go, idx, st, hp
+
+
+def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None, exact_sqrt=False, dw_tol=1e-6):
+    """The dW the op consumed (grad_out) is mm + the dense embedding gradient (fp32 rounding of the mm's other
+    summation order), and W/states are the rule applied to that dW, bitwise."""
+    from forge_compile.kernels.wgrad_update import wgrad_update
+
+    w, dy_t, x, go, idx, st, hp = _tied(rule, n, k, m, shape, device)
+    w_e, st_e = w.clone(), [s.clone() for s in st]
+    grad = torch.full((n, k), float("nan"), device=device)
+    (launch or (lambda *a, **kw: wgrad_update(*a, **kw)))(w, dy_t, x, st, hp, rule.name, grad_out=grad,
+                                                        emb=(go, idx, padding_idx))
+    ref = dy_t.double() @ x.double() + aten.embedding_dense_backward(go, idx, n, padding_idx, False).double()
+    assert ((grad.double() - ref).norm() / ref.norm()).item() < dw_tol
+    # the embedding's part exactly: the rows no token touched are the mm's alone
+    dense = aten.embedding_dense_backward(go, idx, n, padding_idx, False)
+    untouched = (dense == 0).all(1)
+    torch.testing.assert_close(grad[untouched], (dy_t.float() @ x.float())[untouched], rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), CorrectlyRoundedSqrt() if exact_sqrt else contextlib.nullcontext():
+        rule.apply(w_e, grad, st_e, hp)
+    assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} elements"
+    for a, b in zip(st, st_e):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rule", [ADAMW, LION], ids=lambda r: r.name)
+@pytest.mark.parametrize("padding_idx", [-1, 3])
+def test_cpu_tied_update(rule, padding_idx, monkeypatch):
+    from forge_compile.kernels import wgrad_update_cpu as cpu_impl
+
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_BYTES", 4 * 200)
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_MIN_ROWS", 16)
+    _check_tied(rule, 67, 45, 13, (2, 9), padding_idx)
+
+
+def test_interpreter_tied_update(interpret):
+    from forge_compile.kernels.wgrad_update_triton import CONFIGS, launch_wgrad_update
+    from forge_compile.kernels.wgrad_update import _extra_rows
+
+    for config in [c for c in CONFIGS if c.startswith("interp")]:
+        def launch(w, dy_t, x, st, hp, rule_name, grad_out, emb):
+            launch_wgrad_update(w, dy_t, x, st, hp, ADAMW, side_out=grad_out, config=config,
+                                extra=_extra_rows(w, emb))
+        _check_tied(ADAMW, 67, 45, 13, (2, 9), 3, launch=launch, exact_sqrt=True)
+
+
 # ---- Triton kernel, interpreted ------------------------------------------------------------------------------
 
 def test_interpreter_tests_in_subprocess():
@@ -193,7 +248,9 @@ def _train(make_model, make_opt, batches, fused_embedding=True, monkeypatch=None
 
 @pytest.mark.parametrize("make_model,make_opt", [
     (TinyLM, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
-    (_PadLM, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3))], ids=["adamw", "sgdm_padding"])
+    (lambda: TinyLM(tied=True), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    (_PadLM, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3))],
+    ids=["adamw", "adamw_tied", "sgdm_padding"])
 def test_step_fuses_the_embedding_and_matches_the_unfused_step(make_model, make_opt, monkeypatch):
     batches = _lm_batches(4)
     m, opt, losses, rep = _train(make_model, make_opt, batches)
@@ -208,9 +265,12 @@ def test_step_fuses_the_embedding_and_matches_the_unfused_step(make_model, make_
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=n)
     if make_model is _PadLM:     # the padding row never moves: zero gradient, no weight decay... of a zero row
         assert torch.equal(m.emb.weight[0], torch.zeros(16))
+    if m.head.weight is m.emb.weight:   # tied: one fused update (the head's mm + the embedding's rows)
+        assert "head.weight" not in {r.name.split(".", 1)[1] for r in rep.rows}
 
 
-def test_interpreter_replayed_step_updates_the_embedding_from_the_table(interpret, monkeypatch):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_interpreter_replayed_step_updates_the_embedding_from_the_table(interpret, monkeypatch, tied):
     # the graphed step's table op (forge::embedding_update_table_), replayed (the recorder re-runs the step) vs the
     # same step with every capture failing (the table path run eagerly): bitwise
     from forge_compile import step_graph as sg
@@ -223,8 +283,8 @@ def test_interpreter_replayed_step_updates_the_embedding_from_the_table(interpre
         for recorder in (rerun_recorder, failing):
             sg.RECORDER[0] = recorder
             sg.counters.clear()
-            m, opt, losses, rep = _train(TinyLM, lambda p: torch.optim.AdamW(p, lr=1e-2), _lm_batches(4),
-                                         cuda_graphs=True)
+            m, opt, losses, rep = _train(lambda: TinyLM(tied=tied), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                         _lm_batches(4), cuda_graphs=True)
             out.append((m, losses, dict(sg.counters), rep))
     finally:
         sg.GRAPH_DEVICE[0] = "cuda"
@@ -235,3 +295,13 @@ def test_interpreter_replayed_step_updates_the_embedding_from_the_table(interpre
     assert l1 == l2
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rule", [ADAMW, LION], ids=lambda r: r.name)
+def test_cuda_tied_update(rule):
+    # the Triton kernel (a launch with embedding rows skips Gluon, tuning and the launch memo); fp32 activations:
+    # its IEEE dot sums in another order than fp64, 1e-5 relative
+    _check_tied(rule, 1000, 776, 333, (4, 100), padding_idx=7, device="cuda", dw_tol=1e-5)
+    _check_tied(rule, 4096, 1024, 2048, (2, 1024), device="cuda", dw_tol=1e-5)

@@ -160,7 +160,7 @@ return [v11]""")
         g, rep = _rewritten(step, torch.randint(0, 10, (2, 5)), torch.randint(0, 10, (2, 5)))
         table = "\n".join(f"{r.name}: {'fused' if r.fused else r.reason}" for r in rep.rows)
         self.assertExpectedInline(table, """\
-model.emb.weight: gradient sums several contributions (shared or tied weight)
+model.emb.weight: fused
 model.block.ln1.weight: not a matrix (normal path)
 model.block.ln1.bias: not a matrix (normal path)
 model.block.qkv.weight: fused

@@ -335,11 +335,12 @@ def test_fp32_step_has_nothing_to_cast():
 
 
 def test_tied_weight_and_options_that_exclude_each_other():
-    # a tied embedding/head weight is not fused (two gradient contributions): cast by the step as usual
+    # a tied embedding/head weight is fused (the head's mm + the embedding's rows); the head's forward and dX read
+    # its bf16 copy, the embedding gathers fp32 rows: the copy is the update's as for the other weights
     batches = _lm_batches(3)
     on = _train_lm(True, batches, tied=True)
     _same(on, _train_lm(False, batches, tied=True))
-    assert any("4 fused weights' low-precision copies" in n for n in on[3].last_report.notes)
+    assert any("5 fused weights' low-precision copies" in n for n in on[3].last_report.notes)
     with pytest.raises(TypeError, match="exclude each other"):
         forge.compile_train_step(lambda: None, cast_weights_in_update=True, recompute_weight_copies=True)
 

@@ -32,7 +32,7 @@ from .wgrad_update import triton_on_cpu
 log = logging.getLogger(__name__)
 
 __all__ = ["embedding_update", "embedding_update_table", "reference_embedding_update", "compact_rows",
-           "render_embedding_update_source"]
+           "check_embedding_args", "render_embedding_update_source"]
 
 aten = torch.ops.aten
 
@@ -123,7 +123,7 @@ def _kernel_for(rule: Rule, target: str):
 # launcher
 
 
-def _check(weight, grad_output, indices, tensor_states):
+def check_embedding_args(weight, grad_output, indices):
     if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise ValueError("forge: embedding_update: the weight must be a contiguous fp32 [V, K] tensor")
     if grad_output.shape[-1] != weight.shape[1] or grad_output.shape[:-1] != indices.shape:
@@ -131,6 +131,13 @@ def _check(weight, grad_output, indices, tensor_states):
                          f"{list(indices.shape)} and weight {list(weight.shape)}")
     if indices.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"forge: embedding_update: indices must be int64 or int32, got {indices.dtype}")
+    if not grad_output.is_floating_point() or grad_output.device != weight.device or indices.device != weight.device:
+        raise ValueError("forge: embedding_update: grad_output must be floating point, and it and the indices on the "
+                         "weight's device")
+
+
+def _check(weight, grad_output, indices, tensor_states):
+    check_embedding_args(weight, grad_output, indices)
     for s in tensor_states:
         if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != weight.shape:
             raise ValueError("forge: embedding_update: tensor states must be contiguous fp32 tensors like the weight")

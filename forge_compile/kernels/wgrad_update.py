@@ -17,7 +17,11 @@ Arguments:
 - cast_out (optional) [N, K] bf16/fp16 contiguous: receives the updated weight cast to its dtype (round to nearest
   even, exactly ``weight.to(cast_out.dtype)`` after the update), written by the epilogue from the registers that hold
   the new W -- the low-precision copy the next forward reads under autocast
-  (compile_train_step(cast_weights_in_update=True)).
+  (compile_train_step(cast_weights_in_update=True));
+- emb (optional) (grad_output, indices, padding_idx): a tied embedding's contribution -- dW gains
+  ``aten.embedding_dense_backward(grad_output, indices, N, padding_idx, False)``, read row by row from compact rows
+  (kernels/embedding_update.compact_rows), never dense; the op's arguments emb_grad_output / emb_indices /
+  emb_padding_idx.
 """
 from __future__ import annotations
 
@@ -34,10 +38,12 @@ log = logging.getLogger(__name__)
 __all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape", "triton_on_cpu"]
 
 
-def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out=None) -> torch.Tensor:
+def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out=None, emb=None) -> torch.Tensor:
     """Plain-torch spec: materializes dW, applies the rule in place, casts the new W into ``cast_out``, returns dW
     (tests only)."""
     grad = dy_t.float() @ x.float()
+    if emb is not None:
+        grad = grad + torch.ops.aten.embedding_dense_backward(emb[0], emb[1], weight.shape[0], emb[2], False).float()
     with torch.no_grad():
         get_rule(rule).apply(weight, grad, list(states), list(hparams))
         if cast_out is not None:
@@ -45,18 +51,32 @@ def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out
     return grad
 
 
-def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None) -> None:
+def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None, emb=None) -> None:
     """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed; ``cast_out`` the
-    updated weight's low-precision copy (one of the two: the kernels have one side output)."""
+    updated weight's low-precision copy (one of the two: the kernels have one side output); ``emb``: a tied
+    embedding's gradient contribution, see the module docstring."""
     _check(weight, dy_t, x, states, rule)
     _check_cast_out(weight, grad_out, cast_out)
+    extra = _extra_rows(weight, emb)
     if weight.is_cuda or triton_on_cpu():
         from .wgrad_update_triton import launch_wgrad_update
 
         launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule),
-                            side_out=cast_out if cast_out is not None else grad_out)
+                            side_out=cast_out if cast_out is not None else grad_out, extra=extra)
     else:
-        wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out, cast_out=cast_out)
+        wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out, cast_out=cast_out,
+                         extra=extra)
+
+
+def _extra_rows(weight, emb):
+    """(rows, pos) of a tied embedding's gradient (embedding_update.compact_rows), or None."""
+    if emb is None:
+        return None
+    from .embedding_update import check_embedding_args, compact_rows
+
+    grad_output, indices, padding_idx = emb
+    check_embedding_args(weight, grad_output, indices)
+    return compact_rows(grad_output, indices, weight.shape[0], padding_idx)
 
 
 def triton_on_cpu() -> bool:
@@ -105,15 +125,22 @@ _LIB = torch.library.Library("forge", "FRAGMENT")
 # cudagraph_unsafe: the launch passes host scalars computed from the step counter and hyper-parameters at that
 # moment (bias corrections, lr), so a CUDA graph that captured it would replay step 1's values forever. Inductor's
 # cudagraphs then leave the op out (graph_partition: a partition boundary; otherwise the graph is not captured).
+_EMB_ARGS = "Tensor? emb_grad_output=None, Tensor? emb_indices=None, int emb_padding_idx=-1"
 _LIB.define(
     "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
-    "str rule, Tensor(c!)? cast_out=None) -> ()",
+    f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}) -> ()",
     tags=_compat.cudagraph_unsafe_tags(),
 )
 
 
-def wgrad_update_(weight, dy_t, x, states, hparams, rule, cast_out=None):
-    wgrad_update(weight, dy_t, x, states, hparams, rule, cast_out=cast_out)
+def _emb(grad_output, indices, padding_idx):
+    return None if grad_output is None else (grad_output, indices, padding_idx)
+
+
+def wgrad_update_(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
+                  emb_padding_idx=-1):
+    wgrad_update(weight, dy_t, x, states, hparams, rule, cast_out=cast_out,
+                 emb=_emb(emb_grad_output, emb_indices, emb_padding_idx))
     torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
@@ -121,7 +148,8 @@ _LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
-def _(weight, dy_t, x, states, hparams, rule, cast_out=None):
+def _(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
+      emb_padding_idx=-1):
     return None
 
 
@@ -130,10 +158,10 @@ def _(weight, dy_t, x, states, hparams, rule, cast_out=None):
 # so a CUDA graph may capture it (compile_train_step(cuda_graphs=True) writes the table before each replay).
 # ``scalars``: ``wgrad_update_triton.rule_scalars``'s values as fp32 on the weight's device.
 _LIB.define("wgrad_update_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor scalars, "
-            "str rule, Tensor(c!)? cast_out=None) -> ()")
+            f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}) -> ()")
 
 
-def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str, cast_out=None) -> None:
+def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str, cast_out=None, emb=None) -> None:
     if not weight.is_cuda and not triton_on_cpu():
         raise RuntimeError("forge::wgrad_update_table_ runs on CUDA tensors (on CPU only under Triton's "
                            "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
@@ -141,11 +169,14 @@ def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str, cast_out=Non
     _check_cast_out(weight, None, cast_out)
     from .wgrad_update_triton import launch_wgrad_update
 
-    launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), side_out=cast_out, table=scalars)
+    launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), side_out=cast_out, table=scalars,
+                        extra=_extra_rows(weight, emb))
 
 
-def wgrad_update_table_(weight, dy_t, x, states, scalars, rule, cast_out=None):
-    wgrad_update_table(weight, dy_t, x, states, scalars, rule, cast_out)
+def wgrad_update_table_(weight, dy_t, x, states, scalars, rule, cast_out=None, emb_grad_output=None,
+                        emb_indices=None, emb_padding_idx=-1):
+    wgrad_update_table(weight, dy_t, x, states, scalars, rule, cast_out,
+                       _emb(emb_grad_output, emb_indices, emb_padding_idx))
     torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
@@ -153,5 +184,6 @@ _LIB.impl("wgrad_update_table_", wgrad_update_table_, "CompositeExplicitAutograd
 
 
 @torch.library.register_fake("forge::wgrad_update_table_", lib=_LIB)
-def _(weight, dy_t, x, states, scalars, rule, cast_out=None):
+def _(weight, dy_t, x, states, scalars, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
+      emb_padding_idx=-1):
     return None

@@ -331,15 +331,16 @@ def scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     return bufs
 
 
-def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None) -> None:
+def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None, extra=None) -> None:
     """``grad_out``: receives dW; ``cast_out``: receives the updated weight cast to its dtype, block by block while
-    the block is in cache (forge::wgrad_update_'s cast_out)."""
+    the block is in cache (forge::wgrad_update_'s cast_out); ``extra``: (rows, pos), row r of dW gains rows[pos[r]]
+    where pos[r] >= 0 (a tied embedding's gradient)."""
     n, k = weight.shape
     xf = x if x.dtype == torch.float32 else x.float()
     rows, cols = cpu_block_shape(n, k)
     gbuf, tbuf = scratch(rows * cols)
-    update_blocks_cpu(weight, states, hparams, rule_name, _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out),
-                      cast_out)
+    update_blocks_cpu(weight, states, hparams, rule_name,
+                      _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out, extra), cast_out)
 
 
 def update_blocks_cpu(weight, states, hparams, rule_name, blocks, cast_out=None) -> None:
@@ -383,16 +384,21 @@ def _planned(rule: Rule, plan, states, hparams):
     return hit
 
 
-def _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out):
+def _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out, extra=None):
     """(index, dW block, scratch block) for each block of dW; the dW block is the caller's to overwrite."""
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         dy_blk = dy_t[r0:r1].float()
+        if extra is not None:
+            epos = extra[1][r0:r1].long()
+            ehit = (epos >= 0).nonzero().squeeze(1)
         for c0 in range(0, k, cols):
             c1 = min(k, c0 + cols)
             shape = (r1 - r0, c1 - c0)
             size = shape[0] * shape[1]
             g = torch.mm(dy_blk, xf[:, c0:c1], out=gbuf[:size].view(shape))
+            if extra is not None:
+                g[ehit] += extra[0][epos[ehit], c0:c1].float()
             blk = (slice(r0, r1), slice(c0, c1))
             if grad_out is not None:
                 grad_out[blk].copy_(g)

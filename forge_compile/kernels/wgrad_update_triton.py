@@ -18,6 +18,7 @@ Knobs of the template (constexpr, chosen per config, see CONFIGS and benchmarks/
   layout conversions, fewer registers), bounds handled by the copy engine;
 - STORE_GRAD: what the side output GOUT receives (``side_mode``): nothing (0), dW (1), the new W cast to GOUT's
   dtype (2);
+- EXTRA: dW gains rows gathered from EROWS through EPOS (a tied embedding's gradient, ``extra=``) before the rule;
 - EVEN_NK: N and K are multiples of the tile: the epilogue's loads/stores go unmasked.
 """
 from __future__ import annotations
@@ -128,12 +129,13 @@ def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def wgrad_update_kernel(
-    W, DYT, X, {state_ptrs}GOUT,
+    W, DYT, X, {state_ptrs}GOUT, EROWS, EPOS,
     {kernel_scalar_params}N, K, M,
     stride_dn, stride_dm, stride_xm, stride_xk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     STORE_GRAD: tl.constexpr, EPI_SPLIT: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
+    EXTRA: tl.constexpr = False,
 ):
 {scalar_loads}    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
     # programs reuse dy_t and x panels from L2.
@@ -195,6 +197,12 @@ def wgrad_update_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_M * stride_dm
         b_ptrs += BLOCK_M * stride_xm
+
+    if EXTRA:
+        # a tied embedding's gradient rows (embedding_update.compact_rows): row r of dW gains EROWS[EPOS[r]]
+        epos = tl.load(EPOS + rn, mask=rn < N, other=-1)
+        acc += tl.load(EROWS + epos.to(tl.int64)[:, None] * K + rk[None, :],
+                       mask=(epos >= 0)[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
 
     if PREFETCH:
         if TMA:
@@ -529,7 +537,7 @@ def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor) -> None
                          f"1-D tensor on {weight.device} (rule_scalars()), got {got}")
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None):
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None, extra=None):
     """Checks, host scalars, config: everything of a launch except the launch and the scalar-state update.
     ``table``: the rule's scalars are read from this device row (``states`` = the tensor states; no scalar
     states to advance)."""
@@ -565,13 +573,15 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, tab
     if tf32:
         _warn_tf32_once()
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
-    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, side_out, scalars, upcast, interpret, tf32)
+    grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, side_out, scalars, upcast, interpret, tf32,
+                                   extra)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
 def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, upcast: bool, interpret: bool,
-                tf32: bool = False):
-    """grid, positional args and keyword options of one kernel launch (``tf32``: the upcast dot in TF32)."""
+                tf32: bool = False, extra=None):
+    """grid, positional args and keyword options of one kernel launch (``tf32``: the upcast dot in TF32; ``extra``:
+    (rows, pos) added to dW, see launch_wgrad_update)."""
     n, k = weight.shape
     m = x.shape[0]
     grid = (triton_cdiv(n, cfg.bn) * triton_cdiv(k, cfg.bk),)
@@ -586,13 +596,14 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, 
 
         block = [cfg.bn, cfg.bk // (1 if cfg.prefetch else cfg.split)]
         epi = [TensorDescriptor(t, [n, k], [k, 1], block) for t in epi]
-    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1],
+    erows, epos = extra if extra is not None else (weight, weight)
+    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1], erows, epos,
             *scalars, n, k, m, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1))
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
         EVEN_M=(m % cfg.bm == 0), EVEN_NK=(n % cfg.bn == 0 and k % cfg.bk == 0), UPCAST=upcast,
         DOT_PREC=cfg.fp32_dot if tf32 else "ieee", STORE_GRAD=mode, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
-        PIPE=0 if tma else cfg.pipe,
+        PIPE=0 if tma else cfg.pipe, EXTRA=extra is not None,
         num_warps=cfg.warps, num_stages=cfg.stages,
         # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
         enable_fp_fusion=False,
@@ -611,7 +622,7 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
 
 
 def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: str | None = None,
-                        table=None):
+                        table=None, extra=None):
     """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
 
     On sm_90 the launch may go to the Gluon kernel (wgrad_update_gluon.use_gluon; FORGE_WGRAD_KERNEL=auto|gluon|
@@ -624,11 +635,15 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
     are then the tensor states alone and ``hparams`` is empty. Nothing of such a launch depends on the step, so it
     can be captured in a CUDA graph and replayed with new values in the row. FORGE_AUTOTUNE applies to it as to
     the host-scalar launch of the same shape (one key, one choice), except that nothing is tuned during a
-    capture (a key first seen there takes the untuned choice)."""
+    capture (a key first seen there takes the untuned choice).
+
+    ``extra``: (rows, pos) -- row r of dW gains ``rows[pos[r]]`` where pos[r] >= 0 (a tied embedding's gradient,
+    embedding_update.compact_rows; rows [*, K] float, pos [N] int32). Such a launch takes this kernel with its table
+    config (not Gluon, not tuned, not memoized: rows and pos are new tensors at every step)."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
-    if config is None and weight.is_cuda:
+    if config is None and weight.is_cuda and extra is None:
         # imported here: the Gluon module is only needed (and gluon only imported) on a CUDA launch
         from . import launch_memo
         from . import wgrad_update_autotune as autotune
@@ -665,7 +680,7 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
                           wg._source_for(rule)[0], states, hparams, table)
             return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, side_out, config, table)
+        weight, dy_t, x, states, hparams, rule, side_out, config, table, extra)
     kernel[grid](*args, **opts)
     # the scalar states advance once per launch, after the kernel consumed their old values
     with torch.no_grad():

@@ -61,6 +61,7 @@ class _Match:
     mm: fx.Node          # the gradient's producer: aten.mm, or aten.embedding_dense_backward (embeddings=True)
     chain: list          # gradient-path nodes from the producer's user to the apply's grad input
     transposed: bool     # dW == mm(...)^T
+    emb: Optional[fx.Node] = None    # a tied weight: the embedding backward whose gradient dW adds (mm + emb)
 
     @property
     def embedding(self) -> bool:
@@ -90,47 +91,87 @@ def _describe_users(node: fx.Node, exclude) -> str:
 
 
 def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Optional[_Match], str]:
-    """Walk back from the update's gradient to the matmul (with ``embeddings``: or the embedding backward)
-    producing it."""
-    grad = apply.args[1]
+    """Walk back from the update's gradient to the matmul (with ``embeddings``: or the embedding backward, or the
+    sum of one of each -- a tied embedding / output weight) producing it."""
+    found = _walk(apply.args[1], apply, embeddings, True)
+    if isinstance(found, str):
+        return None, found
+    prod, chain, transposed, emb = found
+    if prod.target is _EMB_BACKWARD:
+        return _Match(apply, prod, chain, False), ""
+    return _Match(apply, prod, chain, transposed, emb), ""
+
+
+def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
+    if transposed:
+        return "the embedding gradient is transposed on its way to the update"
+    if len(node.args) > 4 and node.args[4]:
+        return "embedding with scale_grad_by_freq=True"
+    return None
+
+
+def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
+    """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
+    (producer, chain, transposed, embedding backward added to it or None), or the reason there is none."""
     chain = []
     transposed = False
-    cur, consumer = grad, apply
     while True:
         if not isinstance(cur, fx.Node):
-            return None, "gradient is not a graph value"
+            return "gradient is not a graph value"
         others = [u for u in cur.users if u is not consumer]
         if others:
-            return None, (f"gradient is also read by {_describe_users(cur, consumer)} "
-                          "(e.g. clip_grad_norm_ or a logged gradient norm)")
+            return (f"gradient is also read by {_describe_users(cur, consumer)} "
+                    "(e.g. clip_grad_norm_ or a logged gradient norm)")
         if cur.target is aten.mm.default:
-            return _Match(apply, cur, chain, transposed), ""
+            return cur, chain, transposed, None
         if embeddings and cur.target is _EMB_BACKWARD:
-            if transposed:
-                return None, "the embedding gradient is transposed on its way to the update"
-            if len(cur.args) > 4 and cur.args[4]:
-                return None, "embedding with scale_grad_by_freq=True"
-            return _Match(apply, cur, chain, False), ""
+            why = _emb_reason(cur, transposed)
+            return why if why else (cur, chain, False, None)
         if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
-            return None, f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
+            return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
         elif cur.target in _IDENTITIES:
             src, dst = _meta(cur.args[0]), _meta(cur)
             if src is None or dst is None or tuple(src.shape) != tuple(dst.shape):
-                return None, f"gradient is reshaped by {cur.target} on its way from the matmul"
+                return f"gradient is reshaped by {cur.target} on its way from the matmul"
         elif cur.target in _UPCASTS:
             src, dst = _meta(cur.args[0]), _meta(cur)
             if src is None or dst is None or src.device != dst.device or dst.dtype != torch.float32:
-                return None, f"gradient passes through an unsupported conversion {cur.target}"
+                return f"gradient passes through an unsupported conversion {cur.target}"
         elif cur.target in (aten.add.Tensor, aten.add_.Tensor):
-            return None, "gradient sums several contributions (shared or tied weight)"
+            # a tied embedding / output weight: the output matmul's dW plus the embedding's gradient
+            tied = _tied_sum(cur, embeddings and allow_sum and cur.target is aten.add.Tensor, transposed)
+            if isinstance(tied, str):
+                return tied
+            mm, mm_chain, mm_t, emb, emb_chain = tied
+            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb
         elif cur.op == "placeholder":
-            return None, "gradient is a graph input"
+            return "gradient is a graph input"
         else:
-            return None, f"gradient is produced by {cur.target}, not by a matmul"
+            return f"gradient is produced by {cur.target}, not by a matmul"
         chain.append(cur)
         consumer, cur = cur, cur.args[0]
+
+
+def _tied_sum(add: fx.Node, allowed: bool, transposed: bool):
+    """``add`` = one matmul's dW + one embedding backward (either order, nothing else on the way): their walks'
+    (mm, its chain, its transposition, the embedding backward, its chain), or the reason not."""
+    several = "gradient sums several contributions (shared or tied weight)"
+    if not allowed or len(add.args) != 2 or add.kwargs:
+        return several
+    sides = [_walk(a, add, True, False) for a in add.args]
+    if any(isinstance(x, str) for x in sides):
+        return several
+    by_kind = {("emb" if x[0].target is _EMB_BACKWARD else "mm"): x for x in sides}
+    if set(by_kind) != {"mm", "emb"}:
+        return several + ": not one matmul plus one embedding"
+    mm, mm_chain, mm_t, _ = by_kind["mm"]
+    emb, emb_chain, emb_t, _ = by_kind["emb"]
+    why = _emb_reason(emb, transposed != emb_t)
+    if why:
+        return why
+    return mm, mm_chain, mm_t, emb, emb_chain
 
 
 def _aliases(node: fx.Node) -> set:
@@ -240,6 +281,12 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
             return False, "the embedding gradient's row count is not the parameter's", None
     elif a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
+    if match.emb is not None:
+        eg, ei = _meta(match.emb.args[0]), _meta(match.emb.args[1])
+        if eg is None or eg.dtype not in _FUSED_DTYPES_IN or ei is None or ei.dtype not in (torch.int64, torch.int32):
+            return False, "tied embedding gradient of unsupported dtypes", None
+        if match.emb.args[2] != w.shape[0]:
+            return False, "the tied embedding gradient's row count is not the parameter's", None
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
 
@@ -270,7 +317,7 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     if after_copies:
         copies = _derived(w_alias, elementwise=False)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
-    anchor = max([match.mm] + before, key=lambda n: order[n])
+    anchor = max([match.mm] + ([match.emb] if match.emb is not None else []) + before, key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
 
@@ -338,14 +385,18 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             else:
                 dy_t, x = a, b
             last = x if match.transposed else anchor
+            kwargs = {}
+            if match.emb is not None:
+                kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
+                              emb_padding_idx=match.emb.args[3])
             with graph.inserting_after(last):
                 fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
-                                            (weight, dy_t, x, states, hparams, rule))
+                                            (weight, dy_t, x, states, hparams, rule), kwargs)
         for n in (dy_t, x, fused):
             if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
                 n.meta["forge"] = "wgrad_update"
         graph.erase_node(apply)
-        for n in match.chain + [match.mm]:
+        for n in match.chain + [match.mm] + ([match.emb] if match.emb is not None else []):
             if not n.users:
                 graph.erase_node(n)
         counters["fused"] += 1
