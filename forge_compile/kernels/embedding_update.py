@@ -20,13 +20,13 @@ row, as the fused linear ops).
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
 from .. import _compat
 from ..optim.rule import Rule, get_rule
-from .epilogue_codegen import compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .epilogue_codegen import TRITON_RULE_HEAD
+from .rule_update import elementwise_kernel, render_elementwise_source
 from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
@@ -93,30 +93,11 @@ BR, BK = 4, 256
 
 
 def render_embedding_update_source(ep) -> str:
-    states = ep.tensor_inputs[2:]
-    ptrs = [s.upper() for s in states]
-    new_vars = [f"new_{v}" for v in ("p", *states)]
-    return _TEMPLATE.format(
-        **triton_fields(ep, True, "SCAL"), module="embedding_update",
-        state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0)" for s, p in zip(states, ptrs)),
-        state_stores="\n".join(f"    tl.store({p} + off, {v}, mask=mask)" for p, v in zip(ptrs, new_vars[1:])),
-    )
-
-
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
+    return render_elementwise_source(ep, _TEMPLATE, "embedding_update")
 
 
 def _kernel_for(rule: Rule, target: str):
-    key = (rule.name, target)
-    hit = _KERNELS.get(key)
-    if hit is None:
-        ep = compile_epilogue(rule, target)
-        mod = load_kernel_module(render_embedding_update_source(ep), "embedding_update_" + ep.source_key)
-        hit = (ep, mod.embedding_update_kernel)
-        with _LOCK:
-            _KERNELS.setdefault(key, hit)
-    return hit
+    return elementwise_kernel(rule, target, _TEMPLATE, "embedding_update")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_rule_update", "render_rule_update_source", "BLOCK"]
+__all__ = ["launch_rule_update", "render_rule_update_source", "render_elementwise_source", "elementwise_kernel", "BLOCK"]
 
 _TEMPLATE = TRITON_RULE_HEAD + '''
 
@@ -45,31 +45,43 @@ def rule_update_kernel(P, G, {state_ptrs}{kernel_scalar_params}NUMEL, BLOCK: tl.
 BLOCK = 1024
 
 
-def render_rule_update_source(ep) -> str:
+def render_elementwise_source(ep, template: str, module: str) -> str:
+    """An element-wise kernel module around the rule's epilogue (this one's and embedding_update's templates): the
+    tensor states loaded at ``off``/``mask`` and stored back, the scalars from a table row ``SCAL``."""
     states = ep.tensor_inputs[2:]
     ptrs = [s.upper() for s in states]
     new_vars = [f"new_{v}" for v in ("p", *states)]
-    return _TEMPLATE.format(
-        **triton_fields(ep, True, "SCAL"), module="rule_update",
+    return template.format(
+        **triton_fields(ep, True, "SCAL"), module=module,
         state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0)" for s, p in zip(states, ptrs)),
         state_stores="\n".join(f"    tl.store({p} + off, {v}, mask=mask)" for p, v in zip(ptrs, new_vars[1:])),
     )
+
+
+def render_rule_update_source(ep) -> str:
+    return render_elementwise_source(ep, _TEMPLATE, "rule_update")
 
 
 _KERNELS: dict = {}
 _LOCK = threading.Lock()
 
 
-def _kernel_for(rule: Rule, target: str):
-    key = (rule.name, target)
+def elementwise_kernel(rule: Rule, target: str, template: str, module: str):
+    """(epilogue, jitted ``<module>_kernel``) of ``render_elementwise_source``, cached per (module, rule, target):
+    rendering and hashing the source costs tens of microseconds, every launch would pay it."""
+    key = (module, rule.name, target)
     hit = _KERNELS.get(key)
     if hit is None:
         ep = compile_epilogue(rule, target)
-        mod = load_kernel_module(render_rule_update_source(ep), "rule_update_" + ep.source_key)
-        hit = (ep, mod.rule_update_kernel)
+        mod = load_kernel_module(render_elementwise_source(ep, template, module), module + "_" + ep.source_key)
+        hit = (ep, getattr(mod, module + "_kernel"))
         with _LOCK:
             _KERNELS.setdefault(key, hit)
     return hit
+
+
+def _kernel_for(rule: Rule, target: str):
+    return elementwise_kernel(rule, target, _TEMPLATE, "rule_update")
 
 
 # ----------------------------------------------------------------------------------------------------
