@@ -276,7 +276,8 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
     if match.embedding:
         if a is None or a.dtype not in _FUSED_DTYPES_IN or b is None or b.dtype not in (torch.int64, torch.int32):
-            return False, f"embedding gradient of {getattr(a, 'dtype', '?')} from {getattr(b, 'dtype', '?')} indices", None
+            return (False, f"embedding gradient of {getattr(a, 'dtype', '?')} from {getattr(b, 'dtype', '?')} "
+                    "indices", None)
         if match.mm.args[2] != w.shape[0]:
             return False, "the embedding gradient's row count is not the parameter's", None
     elif a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
