@@ -132,7 +132,8 @@ def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None,
     # the embedding's part exactly: the rows no token touched are the mm's alone
     dense = aten.embedding_dense_backward(go, idx, n, padding_idx, False)
     untouched = (dense == 0).all(1)
-    torch.testing.assert_close(grad[untouched], (dy_t.float() @ x.float())[untouched], rtol=1e-5, atol=1e-5)
+    # (two fp32 summation orders of up to 2048 products of magnitude ~1: 1e-4)
+    torch.testing.assert_close(grad[untouched], (dy_t.float() @ x.float())[untouched], rtol=1e-4, atol=1e-4)
     with torch.no_grad(), CorrectlyRoundedSqrt() if exact_sqrt else contextlib.nullcontext():
         rule.apply(w_e, grad, st_e, hp)
     assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} elements"
