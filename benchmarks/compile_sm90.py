@@ -63,10 +63,13 @@ def _specs(args):
                   f"{'/tf32' if args.tf32 else ''}", rules[rname], cname, "triton", False
         for lname in filter(lambda v: v != "none", args.layouts.split(",")):
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
-                sides = [None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
+                sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
+                         + (["tied"] if args.tied else []))
                 for side in sides:
                     if side == "cast" and layouts[lname].epi not in wg.POINTER_EPIS:
                         continue    # the TMA ring does not write the cast copy
+                    if side == "tied" and layouts[lname].epi not in ("smem", "split"):
+                        continue    # only these add a tied embedding's rows
                     yield f"{rname}/{lname}{'/table' if table else ''}{'/' + side if side else ''}", rules[rname], \
                         layouts[lname], table, side
 
@@ -99,15 +102,17 @@ def compile_one(rule, cfg, table, side, n, k, m):
     dy = torch.randn(m, n, generator=gen).bfloat16()
     x = torch.randn(m, k, generator=gen).bfloat16()
     hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
-    # the side output: dW (fp32) or the new W's bf16 copy
-    grad = {None: None, "dw": torch.empty_like(w), "cast": torch.empty_like(w, dtype=torch.bfloat16)}[side]
+    # the side output: dW (fp32) or the new W's bf16 copy; or no side output and a tied embedding's rows
+    grad = {None: None, "dw": torch.empty_like(w), "cast": torch.empty_like(w, dtype=torch.bfloat16),
+            "tied": None}[side]
+    extra = (torch.randn(m, k, generator=gen), torch.zeros(n, dtype=torch.int32)) if side == "tied" else None
     tab = None
     if table:
         states = split_states(rule, states)[0]
         hp = []
         tab = torch.zeros(compile_epilogue(rule, "cuda").n_kernel_scalars)
     kernel, grid, kargs, opts = wg._prepare(w, dy.t(), x, states, hp, rule, grad, config=cfg, max_ctas=132,
-                                            table=tab)[:4]
+                                            table=tab, extra=extra)[:4]
     ck = kernel.warmup(*kargs, grid=grid, **opts)
     return _ptxas_row(ck)
 
@@ -158,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
     ap.add_argument("--cast-out", action="store_true",
                     help="also the pointer epilogues' variants that store the new W's bf16 copy")
+    ap.add_argument("--tied", action="store_true",
+                    help="also the smem/split variants that add a tied embedding's gradient rows")
     ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
     ap.add_argument("--triton", default="", help="also (or, with --layouts none, only) these Triton kernel configs")
     ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",

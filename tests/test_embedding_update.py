@@ -109,20 +109,21 @@ def test_op_updates_in_place_and_bumps_versions():
 
 # ---- a tied weight: forge::wgrad_update_ with the embedding's contribution (emb=) -------------------------------
 
-def _tied(rule, n, k, m, shape, device="cpu", seed=0):
+def _tied(rule, n, k, m, shape, device="cpu", seed=0, act=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     w, go, idx, st, hp = _make(rule, n, k, shape, device, vocab_used=max(2, n // 3), seed=seed)
-    dy_t = torch.randn(m, n, generator=gen).to(device).t()
-    x = torch.randn(m, k, generator=gen).to(device)
+    dy_t = torch.randn(m, n, generator=gen).to(device, act).t()
+    x = torch.randn(m, k, generator=gen).to(device, act)
     return w, dy_t, x, go, idx, st, hp
 
 
-def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None, exact_sqrt=False, dw_tol=1e-6):
+def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None, exact_sqrt=False, dw_tol=1e-6,
+                act=torch.float32):
     """The dW the op consumed (grad_out) is mm + the dense embedding gradient (fp32 rounding of the mm's other
     summation order), and W/states are the rule applied to that dW, bitwise."""
     from forge_compile.kernels.wgrad_update import wgrad_update
 
-    w, dy_t, x, go, idx, st, hp = _tied(rule, n, k, m, shape, device)
+    w, dy_t, x, go, idx, st, hp = _tied(rule, n, k, m, shape, device, act=act)
     w_e, st_e = w.clone(), [s.clone() for s in st]
     grad = torch.full((n, k), float("nan"), device=device)
     (launch or (lambda *a, **kw: wgrad_update(*a, **kw)))(w, dy_t, x, st, hp, rule.name, grad_out=grad,
@@ -306,3 +307,21 @@ def test_cuda_tied_update(rule):
     # its IEEE dot sums in another order than fp64, 1e-5 relative
     _check_tied(rule, 1000, 776, 333, (4, 100), padding_idx=7, device="cuda", dw_tol=1e-5)
     _check_tied(rule, 4096, 1024, 2048, (2, 1024), device="cuda", dw_tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rule", [ADAMW, SGDM], ids=lambda r: r.name)
+@pytest.mark.parametrize("m", [256, 2048])
+def test_cuda_tied_update_gluon(rule, m, monkeypatch):
+    # FORGE_GLUON_EXTRA=1: the Gluon smem (AdamW at M <= 512) / split kernel adds the rows where the dW chunk leaves
+    # smem (bf16 activations, as Gluon takes them); the same checks as the Triton kernel's
+    from forge_compile.kernels import wgrad_update_gluon as wg
+
+    monkeypatch.setenv(wg.EXTRA_ENV, "1")
+    w, dy_t, x, go, idx, st, hp = _tied(rule, 1024, 768, m, (2, 300), "cuda", act=torch.bfloat16)
+    from forge_compile.kernels.wgrad_update import _extra_rows
+    assert wg.gluon_reason(w, dy_t, x, st, rule, extra=_extra_rows(w, (go, idx, -1))) is None
+    _check_tied(rule, 1024, 768, m, (2, 300), padding_idx=5, device="cuda", dw_tol=1e-5, act=torch.bfloat16)
+    _check_tied(rule, 1000, 776, m, (2, 300), device="cuda", dw_tol=1e-5, act=torch.bfloat16)

@@ -802,3 +802,34 @@ def test_autotune_candidates_for_the_cast_copy_are_pointer_epilogues(fake_sm90):
             # and the tuning key tells the cast copy from dW and from nothing
             keys = {at.tune_key(rule, w, dy_t, x, st, s) for s in (None, torch.empty_like(w), out)}
             assert len(keys) == 3
+
+
+# ---- a tied embedding's rows added to dW (FORGE_GLUON_EXTRA=1; the smem and split kernels) ------------------------
+
+@pytest.mark.parametrize("epi", ["smem", "split"])
+def test_render_tied_rows(epi):
+    ep = compile_epilogue(RULES["adamw"], "cuda")
+    plain, tied = wg.render_gluon_source(ep, epi), wg.render_gluon_source(ep, epi, extra=True)
+    ast.parse(tied)
+    assert "_smem_extra" not in plain and "e_ptr" not in plain
+    # the helper, one call in each chunk step (_smem_step, _smem_step_at), the pointers before g_ptr everywhere
+    assert tied.count("def _smem_extra(") == 1 and tied.count("g = _smem_extra(") == 2
+    assert tied.count("e_ptr, p_ptr, g_ptr") == plain.count("g_ptr") - plain.count("g_ptr +") - \
+        plain.count("g_ptr.dtype")
+    with pytest.raises(wg.GluonUnsupported):
+        wg.render_gluon_source(ep, "tma", extra=True)
+
+
+def test_tied_rows_pick_and_opt_in(fake_sm90, monkeypatch):
+    from forge_compile.kernels.wgrad_update_triton import SIDE_NONE
+
+    for m in (64, 256, 1024, 2048, 8192):
+        for n_load in (1, 2, 3):
+            assert wg.pick_for(m, n_load, 2, SIDE_NONE, extra=True).epi in ("smem", "split")
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 256, 128, 96)
+    extra = (torch.zeros(96, 128), torch.full((256,), -1, dtype=torch.int32))
+    monkeypatch.delenv(wg.EXTRA_ENV, raising=False)
+    assert wg.EXTRA_ENV in wg.gluon_reason(w, dy_t, x, st, rule, extra=extra)
+    monkeypatch.setenv(wg.EXTRA_ENV, "1")
+    assert wg.gluon_reason(w, dy_t, x, st, rule, extra=extra) is None

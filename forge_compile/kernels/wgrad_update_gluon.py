@@ -76,7 +76,7 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
            "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape", "split_config",
-           "SPLIT_STAGES", "pick_for", "POINTER_EPIS"]
+           "SPLIT_STAGES", "pick_for", "POINTER_EPIS", "EXTRA_ENV"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -731,7 +731,7 @@ ROWS_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 # (gl.bank_conflicts: 0 and 0; unswizzled rows 512 B apart put the 8 rows of a store on the same banks, 3 excess
 # wavefronts; a 16 B-unit swizzle by row mod 8 still 1). As the swizzle depends only on the row mod 4, a tile can be
 # viewed as [BN / R, R, BK] row chunks (R % 4 == 0) or tiles stacked as [n, BN, BK]: the same bytes.
-DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
+DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0])){extra_fn}
 
 
 @gluon.jit
@@ -797,7 +797,7 @@ def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, 
     nxt = _smem_load(t + ((c + AHEAD) // CNT) * tstep, C0 + (c + AHEAD) % CNT, w_ptr, {state_ptrs}num_tiles,
                      num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG, LD_EV)
     {carry} = ahead[0]
-    g = dw.index(dbase + C0 + c).load(L)
+    g = dw.index(dbase + C0 + c).load(L){extra_add}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _smem_chunk(t, C0 + c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
     _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
@@ -833,7 +833,7 @@ def _smem_step_at(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {sca
                           t + nx * tstep, C0 + (c + AHEAD) % CNT, num_tiles, N, K, BK, R, L, BIG)
     nxt = _smem_load_at(offs, msk, w_ptr, {state_ptrs}LD_EV)
     {carry} = ahead[0]
-    g = dw.index(dbase + C0 + c).load(L)
+    g = dw.index(dbase + C0 + c).load(L){extra_add_at}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
     _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
@@ -1161,12 +1161,36 @@ def _to_gluon(code: str) -> str:
     return code
 
 
-def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False) -> str:
+# A tied embedding / output weight (``extra``: the smem and split kernels only): row r of the dW chunk gains
+# e_ptr[p_ptr[r]] where p_ptr[r] >= 0 (embedding_update.compact_rows), added where the chunk leaves smem. The module
+# takes e_ptr, p_ptr right before g_ptr (appended to the state pointers, so every signature and call carries them).
+_EXTRA_FN = """
+
+
+@gluon.jit
+def _smem_extra(g, row0, col0, c, N, K, e_ptr, p_ptr, R: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
+    # the chunk's rows of a tied embedding's gradient, zero where no token (or the padding row) has one
+    rows = row0 + c * R + gl.arange(0, R, layout=gl.SliceLayout(1, L))
+    cols = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, L))
+    pos = gl.load(p_ptr + rows, mask=rows < N, other=-1)
+    msk = (pos >= 0)[:, None] & (cols < K)[None, :]
+    return g + gl.load(e_ptr + pos.to(gl.int64)[:, None] * K + cols[None, :], mask=msk, other=0.0).to(gl.float32)"""
+_EXTRA_ADD = """
+    pid_n, pid_k = _tile_coords(gl.minimum(t, num_tiles - 1), num_n, num_k, GROUP)
+    g = _smem_extra(g, pid_n * BN, pid_k * BK, C0 + c, N, K, e_ptr, p_ptr, R, BK, L)"""
+_EXTRA_ADD_AT = """
+    g = _smem_extra(g, base[0], base[1], C0 + c, N, K, e_ptr, p_ptr, R, BK, L)"""
+
+
+def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, extra: bool = False) -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
     warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
     instead of the update; the rule's text is in the module but never called). ``table``: the rule scalars are read
-    from a device pointer ``scal_ptr`` (epilogue_codegen.scalar_fields) instead of taken as arguments."""
+    from a device pointer ``scal_ptr`` (epilogue_codegen.scalar_fields) instead of taken as arguments. ``extra``
+    (smem, split): a tied embedding's gradient rows added to dW (_EXTRA_FN)."""
+    if extra and epi not in ("smem", "split"):
+        raise GluonUnsupported(f"tied embedding rows in the {epi!r} epilogue")
     if ep.target != "cuda":
         raise GluonUnsupported(f"epilogue target {ep.target!r}")
     states = ep.tensor_inputs[2:]
@@ -1189,7 +1213,9 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False) -> 
         return (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
             **common,
             carry="".join(f"{v}, " for v in ("p", *states)),
-            state_ptrs="".join(f"{s}_ptr, " for s in states),
+            state_ptrs="".join(f"{s}_ptr, " for s in states) + ("e_ptr, p_ptr, " if extra else ""),
+            extra_fn=_EXTRA_FN if extra else "", extra_add=_EXTRA_ADD if extra else "",
+            extra_add_at=_EXTRA_ADD_AT if extra else "",
             smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
             smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
                                    "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
@@ -1229,9 +1255,10 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False) -> 
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-# (rule, epi, table) -> its module for epi="vec" / "smem" / "split" / "gemm", or any epi with a scalar table
-_EPI_SOURCES: dict[tuple[str, str, bool], str] = {}
-_KERNELS: dict[str | tuple[str, str, bool], object] = {}   # rule (epi "tma", no table) or (rule, epi, table) -> kernel
+# (rule, epi, table, extra) -> its module for epi="vec" / "smem" / "split" / "gemm", or any epi with a scalar table
+_EPI_SOURCES: dict[tuple[str, str, bool, bool], str] = {}
+# rule (epi "tma", no table) or (rule, epi, table, extra) -> kernel
+_KERNELS: dict[str | tuple[str, str, bool, bool], object] = {}
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
 
@@ -1249,31 +1276,32 @@ def _source_for(rule: Rule):
     return hit
 
 
-def _epi_source(rule: Rule, epi: str, table: bool = False) -> str:
+def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False) -> str:
     # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module, or a module reading its
-    # scalars from a table: rendered on demand, never by gluon_reason (the rule renders for "tma" first)
+    # scalars from a table, or adding a tied embedding's rows: rendered on demand, never by gluon_reason (the rule
+    # renders for "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
         raise GluonUnsupported(why)
-    hit = _EPI_SOURCES.get((rule.name, epi, table))
+    hit = _EPI_SOURCES.get((rule.name, epi, table, extra))
     if hit is None:
-        hit = render_gluon_source(ep, epi, table)
+        hit = render_gluon_source(ep, epi, table, extra)
         with _LOCK:
-            _EPI_SOURCES.setdefault((rule.name, epi, table), hit)
+            _EPI_SOURCES.setdefault((rule.name, epi, table, extra), hit)
     return hit
 
 
-def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False):
-    key = rule.name if epi == "tma" and not table else (rule.name, epi, table)
+def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool = False):
+    key = rule.name if epi == "tma" and not table else (rule.name, epi, table, extra)
     kern = _KERNELS.get(key)
     if kern is None:
         ep, src, why = _source_for(rule)
         if src is None:
             raise GluonUnsupported(why)
         if epi != "tma" or table:
-            src = _epi_source(rule, epi, table)
+            src = _epi_source(rule, epi, table, extra)
         kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{'table_' if table else ''}"
-                                       f"{ep.source_key}")
+                                       f"{'extra_' if extra else ''}{ep.source_key}")
         kern = kern.wgrad_update_gluon_kernel
         with _LOCK:
             _KERNELS.setdefault(key, kern)
@@ -1639,9 +1667,13 @@ def _mode() -> str:
     return mode if mode in ("auto", "gluon", "triton") else "auto"
 
 
-def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None) -> str | None:
+def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None, extra=None) -> str | None:
     """None when this launch goes to the Gluon kernel, else why not (it then goes to the Triton kernel).
-    ``table``: the launch reads its scalars from this device row; ``states`` are the tensor states alone."""
+    ``table``: the launch reads its scalars from this device row; ``states`` are the tensor states alone.
+    ``extra``: a tied embedding's (rows, pos) (wgrad_update_triton.launch_wgrad_update): only with
+    FORGE_GLUON_EXTRA=1 -- the smem/split variant that adds them compiles for sm_90 but has not run on a GPU yet."""
+    if extra is not None and os.environ.get(EXTRA_ENV) != "1":
+        return f"tied embedding rows: the Triton kernel ({EXTRA_ENV}=1 tries the Gluon variant, not yet GPU-tested)"
     mode = _mode()
     if mode == "triton":
         return f"{ENV}=triton"
@@ -1684,9 +1716,12 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None)
     ep, src, why = _source_for(rule)
     if src is None:
         return why
-    if pick_for(m, 1 + len(tensor_states), x.element_size(), side_mode(side_out)) is None:
+    if pick_for(m, 1 + len(tensor_states), x.element_size(), side_mode(side_out), extra is not None) is None:
         return f"{len(epi)} arrays per epilogue slot do not fit in shared memory"
     return None
+
+
+EXTRA_ENV = "FORGE_GLUON_EXTRA"
 
 
 # epilogues that address W/states through pointers: they store the side output's cast copy (SIDE_CAST) from
@@ -1694,14 +1729,15 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None)
 POINTER_EPIS = ("smem", "split", "vec")
 
 
-def pick_for(m: int, n_load: int, act_bytes: int, mode: int) -> GConfig | None:
+def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False) -> GConfig | None:
     """``pick_gconfig`` for a launch streaming ``n_load`` fp32 arrays (W, tensor states) with side output ``mode``
     (wgrad_update_triton.side_mode). The cast copy adds 2-byte stores, not a streamed array: the pick of the
-    arrays read, on a pointer epilogue (the smem kernel where that pick is the TMA ring; not measured)."""
-    if mode != SIDE_CAST:
+    arrays read, on a pointer epilogue (the smem kernel where that pick is the TMA ring; not measured). ``extra``
+    (a tied embedding's rows): the smem or split kernel, likewise."""
+    if mode != SIDE_CAST and not extra:
         return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
-    cfg = pick_gconfig(m, n_load, act_bytes)
-    if cfg is not None and cfg.epi in POINTER_EPIS:
+    cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
+    if cfg is not None and cfg.epi in (("smem", "split") if extra else POINTER_EPIS):
         return cfg
     cfg = smem_config()
     return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
@@ -1739,7 +1775,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-             max_ctas: int | None = None, table=None):
+             max_ctas: int | None = None, table=None, extra=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .wgrad_update_triton import check_table, host_scalars
@@ -1757,12 +1793,16 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
     m = x.shape[0]
     epi = [weight, *tensor_states] + ([side_out] if side_out is not None else [])
     mode = side_mode(side_out)
-    cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode)
+    cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode, extra is not None)
     if config is not None:
         _check_gconfig(cfg)
     if mode == SIDE_CAST and cfg.epi not in POINTER_EPIS:
         raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not write a cast copy of W (side_out "
                          f"{side_out.dtype}); epilogues {POINTER_EPIS} do")
+    if extra is not None and cfg.epi not in ("smem", "split"):
+        raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not add a tied embedding's rows; smem and "
+                         "split do")
+    rows_args = tuple(extra) if extra is not None else ()
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
     dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
@@ -1780,11 +1820,11 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi in ("smem", "split"):
-        kernel = _kernel_for(rule, cfg.epi, tabled)
+        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
-        args = (dy_desc, x_desc, weight, *tensor_states, side_out if side_out is not None else weight, *scalars,
-                m, n, k)
+        args = (dy_desc, x_desc, weight, *tensor_states, *rows_args, side_out if side_out is not None else weight,
+                *scalars, m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
         ld_ev, st_ev, st_cm = _EVICT[cfg.evict]
@@ -1822,12 +1862,12 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
 
 
 def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-           max_ctas: int | None = None, table=None):
+           max_ctas: int | None = None, table=None, extra=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
-    ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` as in
-    wgrad_update_triton.launch_wgrad_update."""
+    ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` and ``extra`` as
+    in wgrad_update_triton.launch_wgrad_update."""
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table)
+        weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table, extra=extra)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
@@ -1843,15 +1883,15 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
     return lambda: kernel[grid](*args, **opts)
 
 
-def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None) -> bool:
+def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None, extra=None) -> bool:
     """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton."""
-    why = gluon_reason(weight, dy_t, x, states, rule, side_out, table)
+    why = gluon_reason(weight, dy_t, x, states, rule, side_out, table, extra)
     if why is not None:
         if _mode() == "gluon":
             log.debug("forge: %s=gluon but rule %r goes to the Triton kernel: %s", ENV, rule.name, why)
         return False
     try:
-        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
+        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra)
     except Exception as e:  # build/compile failure (a triton whose Gluon API differs): the launch never ran
         with _LOCK:
             _BROKEN[rule.name] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"

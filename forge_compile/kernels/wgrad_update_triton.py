@@ -639,10 +639,16 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
 
     ``extra``: (rows, pos) -- row r of dW gains ``rows[pos[r]]`` where pos[r] >= 0 (a tied embedding's gradient,
     embedding_update.compact_rows; rows [*, K] float, pos [N] int32). Such a launch takes this kernel with its table
-    config (not Gluon, not tuned, not memoized: rows and pos are new tensors at every step)."""
+    config -- or, with FORGE_GLUON_EXTRA=1, the Gluon smem/split kernel -- and is neither tuned nor memoized (rows
+    and pos are new tensors at every step)."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
+    if extra is not None and config is None and weight.is_cuda:
+        from . import wgrad_update_gluon as wg
+
+        if wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra):
+            return
     if config is None and weight.is_cuda and extra is None:
         # imported here: the Gluon module is only needed (and gluon only imported) on a CUDA launch
         from . import launch_memo
