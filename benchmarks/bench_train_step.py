@@ -151,7 +151,9 @@ class WithLoss(nn.Module):
 
 
 def linear_weight_names(model):
-    return [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # parameter names as named_parameters() gives them: a tied lm_head's weight is the embedding's
+    canon = {id(p): n for n, p in model.named_parameters()}
+    return [canon[id(m.weight)] for _, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
 def make_optimizer(model, lr, fused):
@@ -350,7 +352,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
     Llama = load_llama()
     with torch.device(device):
         torch.manual_seed(cfg["seed"])
-        model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"])
+        model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"],
+                      tied=cfg.get("tied", False))
     model.train()
     wl = WithLoss(model, cfg["vocab"])
     pnames = [n for n, _ in model.named_parameters()]
@@ -992,6 +995,9 @@ def parse_args(argv):
     size.add_argument("--quick", action="store_true", help="2 layers, micro-batches 2 and 8, no verification runs")
     size.add_argument("--tiny", action="store_true", help="CI smoke size (use with --device cpu)")
     size.add_argument("--wide", action="store_true", help="d_model 4096, 4 layers, micro-batches 1 and 2")
+    p.add_argument("--tied", action="store_true",
+                   help="tie the lm_head to the embedding (Llama-3.2 / Qwen2.5 style): one weight, fused by "
+                        "compile_train_step as the head's matmul + the embedding's rows")
     p.add_argument("--routes", default=",".join(DEFAULT_ROUTES),
                    help=f"comma-separated, of {', '.join(ROUTES)} (eager: the baseline without torch.compile, "
                         "a reference for how far correct bf16 runs drift apart in the loss check)")
@@ -1048,8 +1054,8 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"unknown routes {sorted(bad)}; known: {', '.join(ROUTES)}")
     mbs = [int(m) for m in str(args.mbs).split(",") if m]
-    cfg = dict(device=args.device, fp32=bool(args.fp32), d_model=args.d_model, layers=args.layers,
-               heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
+    cfg = dict(device=args.device, fp32=bool(args.fp32), tied=bool(args.tied), d_model=args.d_model,
+               layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,

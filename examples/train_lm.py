@@ -135,14 +135,16 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, causal SDPA, SwiGLU, untied lm_head."""
+    """A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, causal SDPA, SwiGLU, lm_head untied by default."""
 
-    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB):
+    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB, tied=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.layers = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        if tied:   # one matrix for both (Llama-3.2 / Qwen2.5 style)
+            self.lm_head.weight = self.embed.weight
         cos, sin = rotary_tables(max_seq_len, d_model // n_heads)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
