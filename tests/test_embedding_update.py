@@ -258,6 +258,8 @@ def test_step_fuses_the_embedding_and_matches_the_unfused_step(make_model, make_
     m, opt, losses, rep = _train(make_model, make_opt, batches)
     row = rep.row("m.emb.weight")
     assert row.fused and row.dw_bytes_saved == 40 * row.shape[1] * 4, str(rep)
+    # the report says how (explain()'s reason column)
+    assert row.reason.startswith("tied:" if m.head.weight is m.emb.weight else "embedding:"), str(rep)
     ref, ref_opt, ref_losses, ref_rep = _train(make_model, make_opt, batches, False, monkeypatch)
     assert not ref_rep.row("m.emb.weight").fused
     # the same gradient rows (bitwise) and the rule's math; the unfused path runs the rule through Inductor's

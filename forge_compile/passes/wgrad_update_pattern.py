@@ -51,7 +51,7 @@ class FusionDecision:
     shape: tuple
     rule: str
     fused: bool
-    reason: str
+    reason: str              # unfused: why; fused: how, where it is not a plain matmul's dW (embeddings)
     dw_bytes_saved: int = 0
 
 
@@ -359,7 +359,10 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             decisions.append(FusionDecision(name, shape, rule, False, reason))
             continue
         saved = w.numel() * 4
-        decisions.append(FusionDecision(name, shape, rule, True, "", saved))
+        # fused rows say how when it is not the plain matmul case
+        how = ("embedding: gradient rows of the tokens seen, no dense gradient" if match.embedding else
+               "tied: the output matmul's dW + the embedding's rows" if match.emb is not None else "")
+        decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
     for match, anchor in rewrites:
