@@ -323,7 +323,7 @@ class CompiledTrainStep:
         report = FusionReport(decisions, graph="train_step")
         out_info["casts"] = ()
         if self._cast_weights:
-            n_pre = len(flat) - len([l for l in leaves if isinstance(l, torch.Tensor)])
+            n_pre = len(flat) - len(t_idx)      # the step's tensor arguments come last
             first_arg = placeholders[n_pre] if n_pre < len(placeholders) else None
             casts = cast_weights_in_update(gm, names, first_arg)
             index = {ph: i for i, ph in enumerate(placeholders[:len(params)])}
@@ -331,7 +331,8 @@ class CompiledTrainStep:
             out_info["casts"] = tuple((index[c.weight], c.dtype) for c in done)
             report.notes.append(
                 f"cast_weights_in_update: {len(done)} fused weights' low-precision copies are written by their "
-                f"update ({sum(_numel(c.weight) for c in done) * 2 / 2**20:.1f} MiB kept between steps)")
+                f"update ({sum(c.weight.meta['val'].numel() for c in done) * 2 / 2**20:.1f} MiB kept between "
+                "steps)")
             report.notes += [f"cast_weights_in_update: {c.name} is cast by the step as usual: {c.reason}"
                              for c in casts if c.placeholder is None]
         remat_for_backward(gm, out_info["n"])
@@ -545,11 +546,6 @@ def note_weight_casts_current(params, casts) -> None:
     for i, dtype in casts:
         p = params[i]
         _WEIGHT_CASTS[p][dtype][1] = p._version
-
-
-def _numel(node) -> int:
-    v = node.meta.get("val")
-    return v.numel() if v is not None else 0
 
 
 def _clone_notes():

@@ -156,30 +156,16 @@ def _host_table(rule: Rule, states, hparams, device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU impl: the dense gradient's blocks built from the compact rows, the rule applied block by block
+# CPU impl: the linear op's blocked CPU update with an empty matmul (zero blocks) plus the compact rows
 
 
 def embedding_update_cpu(weight, grad_output, indices, states, hparams, rule_name, padding_idx=-1) -> None:
-    from .wgrad_update_cpu import cpu_block_shape, scratch, update_blocks_cpu
+    from .wgrad_update_cpu import wgrad_update_cpu
 
     n, k = weight.shape
-    rows, pos = compact_rows(grad_output, indices, n, padding_idx)
-    rows = rows.float()
-    br, bc = cpu_block_shape(n, k)
-    gbuf, tbuf = scratch(br * bc)
-
-    def blocks():
-        for r0 in range(0, n, br):
-            r1 = min(n, r0 + br)
-            p = pos[r0:r1].long()
-            hit = (p >= 0).nonzero().squeeze(1)
-            for c0 in range(0, k, bc):
-                c1 = min(k, c0 + bc)
-                shape = (r1 - r0, c1 - c0)
-                g = gbuf[:shape[0] * shape[1]].view(shape).zero_()
-                g[hit] = rows[p[hit], c0:c1]
-                yield (slice(r0, r1), slice(c0, c1)), g, tbuf[:shape[0] * shape[1]].view(shape)
-    update_blocks_cpu(weight, states, hparams, rule_name, blocks())
+    extra = compact_rows(grad_output, indices, n, padding_idx)
+    wgrad_update_cpu(weight, weight.new_empty((n, 0)), weight.new_empty((0, k)), states, hparams, rule_name,
+                     extra=extra)
 
 
 def embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1) -> None:

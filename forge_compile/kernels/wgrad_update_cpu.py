@@ -36,7 +36,7 @@ from ..optim.rule import Rule, get_rule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["wgrad_update_cpu", "update_blocks_cpu", "cpu_block_shape", "fast_path_for", "scratch"]
+__all__ = ["wgrad_update_cpu", "cpu_block_shape", "fast_path_for"]
 
 # Bytes of dW that one CPU block may hold: small enough to stay in L2/L3 while the rule's element-wise ops
 # pass over it, large enough that each block's mm is efficient. 2 MiB, not 1: with the in-place fast paths,
@@ -322,7 +322,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 _SCRATCH = threading.local()
 
 
-def scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Kept per thread across calls: a fresh 2 MiB block is an mmap'ed allocation whose page faults cost as much
     # as an element-wise pass over it.
     bufs = getattr(_SCRATCH, "bufs", None)
@@ -334,20 +334,14 @@ def scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
 def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None, extra=None) -> None:
     """``grad_out``: receives dW; ``cast_out``: receives the updated weight cast to its dtype, block by block while
     the block is in cache (forge::wgrad_update_'s cast_out); ``extra``: (rows, pos), row r of dW gains rows[pos[r]]
-    where pos[r] >= 0 (a tied embedding's gradient)."""
+    where pos[r] >= 0 (a tied embedding's gradient; with an empty matmul, an embedding's: embedding_update.py)."""
+    rule = get_rule(rule_name)
+    plan = fast_path_for(rule, hparams, states)
     n, k = weight.shape
     xf = x if x.dtype == torch.float32 else x.float()
     rows, cols = cpu_block_shape(n, k)
-    gbuf, tbuf = scratch(rows * cols)
-    update_blocks_cpu(weight, states, hparams, rule_name,
-                      _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out, extra), cast_out)
-
-
-def update_blocks_cpu(weight, states, hparams, rule_name, blocks, cast_out=None) -> None:
-    """Apply the rule block by block: ``blocks`` yields (index, gradient block, scratch block) covering the weight
-    once (the gradient block is the caller's scratch: the fast paths overwrite it); scalar states advance once."""
-    rule = get_rule(rule_name)
-    plan = fast_path_for(rule, hparams, states)
+    gbuf, tbuf = _scratch(rows * cols)
+    blocks = _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out, extra)
     with torch.no_grad():
         if plan is not None:
             block, new_scalars = _planned(rule, plan, states, hparams)

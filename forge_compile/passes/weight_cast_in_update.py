@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from .remat_for_backward import _CASTS, _VIEWS
+from .wgrad_update_pattern import _UPCASTS, _aliases, _meta, _readers
 
 log = logging.getLogger(__name__)
 
@@ -45,49 +45,23 @@ class WeightCast:
     placeholder: fx.Node | None = None
 
 
-def _meta(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _casts_of(weight: fx.Node) -> tuple[list, list]:
     """(casts of W itself to a 16-bit dtype on its device, casts of a view of W)."""
-    direct, of_views = [], []
-    todo = [(u, False) for u in weight.users]
-    seen = set()
-    while todo:
-        n, through_view = todo.pop()
-        if n in seen or n.op != "call_function":
-            continue
-        seen.add(n)
-        if n.target in _CASTS:
-            src, dst = _meta(n.args[0]), _meta(n)
-            if (src is not None and dst is not None and dst.dtype in _LOW and src.device == dst.device
-                    and set(n.kwargs) <= {"dtype"}):
-                (of_views if through_view else direct).append(n)
-        elif n.target in _VIEWS and n.args and n.args[0] in seen | {weight}:
-            todo += [(u, True) for u in n.users]
-    return direct, of_views
-
-
-def _readers(node: fx.Node) -> list:
-    """Users of ``node`` and of its views."""
-    out, todo, seen = [], [node], set()
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            out.append(u)
-            if u.target in _VIEWS and u.args and u.args[0] is n:
-                todo.append(u)
-    return out
+    casts = []
+    for n in _aliases(weight):
+        for c in n.users:
+            src, dst = _meta(n), _meta(c)
+            if (c.target in _UPCASTS and c.args[0] is n and src is not None and dst is not None
+                    and dst.dtype in _LOW and src.device == dst.device and set(c.kwargs) <= {"dtype"}):
+                casts.append(c)
+    return [c for c in casts if c.args[0] is weight], [c for c in casts if c.args[0] is not weight]
 
 
 def cast_weights_in_update(gm: fx.GraphModule, names: dict, before: fx.Node | None) -> list[WeightCast]:
     """Rewrite ``gm`` in place. ``names``: parameter placeholder -> name; ``before``: the placeholder before which the
     new placeholders go (the step's first tensor argument; None: after the last placeholder). Returns one
-    ``WeightCast`` per fused weight, in graph order of the new placeholders (rewritten ones have ``placeholder``)."""
+    ``WeightCast`` per fused weight with a cast, in the fused updates' order -- the rewritten ones (those with a
+    ``placeholder``) in the order of their new placeholders."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     out = []
@@ -106,7 +80,7 @@ def cast_weights_in_update(gm: fx.GraphModule, names: dict, before: fx.Node | No
         if of_views:
             out.append(WeightCast(name, weight, None, "the step also casts a view of the weight"))
             continue
-        late = [r for c in direct for r in _readers(c) if order[r] > order[fused]]
+        late = [r for c in direct for r in _readers(_aliases(c)) if order[r] > order[fused]]
         if late:
             out.append(WeightCast(name, weight, None, f"its cast copy is read after the update (by {late[0].target})"))
             continue
@@ -126,6 +100,4 @@ def cast_weights_in_update(gm: fx.GraphModule, names: dict, before: fx.Node | No
         out.append(WeightCast(name, weight, dtype, "", ph))
     graph.lint()
     gm.recompile()
-    # the new placeholders' order is the graph's: sort the rewritten ones by it, the others after
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(out, key=lambda c: pos[c.placeholder] if c.placeholder is not None else len(pos))
+    return out

@@ -96,10 +96,7 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     found = _walk(apply.args[1], apply, embeddings, True)
     if isinstance(found, str):
         return None, found
-    prod, chain, transposed, emb = found
-    if prod.target is _EMB_BACKWARD:
-        return _Match(apply, prod, chain, False), ""
-    return _Match(apply, prod, chain, transposed, emb), ""
+    return _Match(apply, *found), ""
 
 
 def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
@@ -249,6 +246,16 @@ def _computed_by(node: fx.Node, derived: set, apply: fx.Node, order: dict) -> Op
     return min(externs, key=lambda n: order[n]) if externs else max(uses, key=lambda n: order[n])
 
 
+def _embedding_unsupported(emb: fx.Node, w) -> Optional[str]:
+    """Why the embedding backward ``emb`` cannot feed a fused update of the parameter ``w`` (meta), or None."""
+    g, idx = _meta(emb.args[0]), _meta(emb.args[1])
+    if g is None or g.dtype not in _FUSED_DTYPES_IN or idx is None or idx.dtype not in (torch.int64, torch.int32):
+        return f"embedding gradient of {getattr(g, 'dtype', '?')} from {getattr(idx, 'dtype', '?')} indices"
+    if emb.args[2] != w.shape[0]:
+        return "the embedding gradient's row count is not the parameter's"
+    return None
+
+
 def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = False
                              ) -> tuple[bool, str, Optional[fx.Node]]:
     """Exactness and support checks; returns (fuse?, reason, node after which the fused op goes).
@@ -274,20 +281,13 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         elif sv is None or tuple(sv.shape) != tuple(w.shape) or sv.dtype != torch.float32 or not sv.is_contiguous():
             return False, f"state {rule.states[i]!r} is not an fp32 contiguous tensor shaped like the parameter", None
     a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
-    if match.embedding:
-        if a is None or a.dtype not in _FUSED_DTYPES_IN or b is None or b.dtype not in (torch.int64, torch.int32):
-            return (False, f"embedding gradient of {getattr(a, 'dtype', '?')} from {getattr(b, 'dtype', '?')} "
-                    "indices", None)
-        if match.mm.args[2] != w.shape[0]:
-            return False, "the embedding gradient's row count is not the parameter's", None
-    elif a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
+    emb = match.mm if match.embedding else match.emb
+    if emb is not None:
+        why = _embedding_unsupported(emb, w)
+        if why:
+            return False, why, None
+    if not match.embedding and (a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype):
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
-    if match.emb is not None:
-        eg, ei = _meta(match.emb.args[0]), _meta(match.emb.args[1])
-        if eg is None or eg.dtype not in _FUSED_DTYPES_IN or ei is None or ei.dtype not in (torch.int64, torch.int32):
-            return False, "tied embedding gradient of unsupported dtypes", None
-        if match.emb.args[2] != w.shape[0]:
-            return False, "the tied embedding gradient's row count is not the parameter's", None
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
 
@@ -374,36 +374,38 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
                 fused = graph.call_function(torch.ops.forge.embedding_update_.default,
                                             (weight, grad_output, indices, states, hparams, rule, padding_idx))
             fused.meta["forge"] = "embedding_update"
-            graph.erase_node(apply)
-            for n in match.chain + [match.mm]:
-                if not n.users:
-                    graph.erase_node(n)
             counters["fused_embedding"] += 1
-            continue
-        a, b = match.mm.args
-        with graph.inserting_after(anchor):
-            if match.transposed:
-                dy_t = graph.call_function(aten.t.default, (b,))
-                with graph.inserting_after(dy_t):
-                    x = graph.call_function(aten.t.default, (a,))
-            else:
-                dy_t, x = a, b
-            last = x if match.transposed else anchor
-            kwargs = {}
-            if match.emb is not None:
-                kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
-                              emb_padding_idx=match.emb.args[3])
-            with graph.inserting_after(last):
-                fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
-                                            (weight, dy_t, x, states, hparams, rule), kwargs)
-        for n in (dy_t, x, fused):
-            if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
-                n.meta["forge"] = "wgrad_update"
+        else:
+            _insert_wgrad_update(graph, match, anchor)
+            counters["fused"] += 1
         graph.erase_node(apply)
         for n in match.chain + [match.mm] + ([match.emb] if match.emb is not None else []):
             if not n.users:
                 graph.erase_node(n)
-        counters["fused"] += 1
     graph.lint()
     gm.recompile()
     return decisions
+
+
+def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node) -> None:
+    """``forge::wgrad_update_`` after ``anchor``, its dy_t / x from the matmul's operands."""
+    weight, _, states, hparams, rule = match.apply.args
+    a, b = match.mm.args
+    with graph.inserting_after(anchor):
+        if match.transposed:
+            dy_t = graph.call_function(aten.t.default, (b,))
+            with graph.inserting_after(dy_t):
+                x = graph.call_function(aten.t.default, (a,))
+        else:
+            dy_t, x = a, b
+        last = x if match.transposed else anchor
+        kwargs = {}
+        if match.emb is not None:
+            kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
+                          emb_padding_idx=match.emb.args[3])
+        with graph.inserting_after(last):
+            fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
+                                        (weight, dy_t, x, states, hparams, rule), kwargs)
+    for n in (dy_t, x, fused):
+        if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
+            n.meta["forge"] = "wgrad_update"
