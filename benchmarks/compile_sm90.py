@@ -59,8 +59,9 @@ def _specs(args):
                "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config()}
     for rname in args.rules.split(","):
         for cname in filter(None, args.triton.split(",")):
-            yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
-                  f"{'/tf32' if args.tf32 else ''}", rules[rname], cname, "triton", False
+            for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):
+                yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
+                      f"{'/tf32' if args.tf32 else ''}{'/' + side if side else ''}", rules[rname], cname, "triton", side
         for lname in filter(lambda v: v != "none", args.layouts.split(",")):
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
                 sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
@@ -117,8 +118,9 @@ def compile_one(rule, cfg, table, side, n, k, m):
     return _ptxas_row(ck)
 
 
-def compile_triton(rule, name, act, tf32, n, k, m):
-    """The Triton kernel (config ``name``) for sm_90: as compile_one, the launch prepared on CPU tensors."""
+def compile_triton(rule, name, act, tf32, side, n, k, m):
+    """The Triton kernel (config ``name``) for sm_90: as compile_one, the launch prepared on CPU tensors (``side``:
+    None, "cast" -- the new W's bf16 copy -- or "tied" -- a tied embedding's rows added to dW)."""
     from forge_compile.kernels import wgrad_update_triton as wt
 
     gen = torch.Generator().manual_seed(0)
@@ -128,8 +130,10 @@ def compile_triton(rule, name, act, tf32, n, k, m):
     x = torch.randn(m, k, generator=gen).to(act)
     ep, kernel = wt._kernel_for(rule, "cuda")
     upcast = act == torch.float32
-    grid, kargs, opts = wt.launch_spec(wt.CONFIGS[name], w, dy.t(), x, tensor_states, None,
-                                       [0.5] * ep.n_kernel_scalars, upcast, False, tf32)
+    side_out = torch.empty_like(w, dtype=torch.bfloat16) if side == "cast" else None
+    extra = (torch.randn(m, k, generator=gen), torch.zeros(n, dtype=torch.int32)) if side == "tied" else None
+    grid, kargs, opts = wt.launch_spec(wt.CONFIGS[name], w, dy.t(), x, tensor_states, side_out,
+                                       [0.5] * ep.n_kernel_scalars, upcast, False, tf32, extra)
     ck = kernel.warmup(*kargs, grid=grid, **opts)
     return _ptxas_row(ck)
 
@@ -162,9 +166,9 @@ def main(argv=None):
                     help="kernels taking their scalars as arguments (off), from a table row (on), or both")
     ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
     ap.add_argument("--cast-out", action="store_true",
-                    help="also the pointer epilogues' variants that store the new W's bf16 copy")
+                    help="also the pointer epilogues' (and --triton configs') variants that store the new W's bf16 copy")
     ap.add_argument("--tied", action="store_true",
-                    help="also the smem/split variants that add a tied embedding's gradient rows")
+                    help="also the smem/split (and --triton) variants that add a tied embedding's gradient rows")
     ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
     ap.add_argument("--triton", default="", help="also (or, with --layouts none, only) these Triton kernel configs")
     ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",
@@ -179,7 +183,7 @@ def main(argv=None):
     for name, rule, cfg, table, side in _specs(args):
         t0 = time.time()
         try:
-            row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, n, k, m) if table == "triton"
+            row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
                    else compile_one(rule, cfg, table, side, n, k, m))
         except Exception as e:   # report and go on
             failed.append(name)
