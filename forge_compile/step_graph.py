@@ -90,7 +90,10 @@ class StepGraph:
             return list(self.fn(*flat))
         static = list(flat)
         for i in self.arg_idx:
-            static[i] = flat[i].clone()
+            # the argument's own strides, not clone()'s: a non-dense view (a batch sliced as tokens[:, :-1]) is
+            # cloned contiguous, and the compiled step asserts the strides it was traced with
+            t = flat[i]
+            static[i] = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
         try:
             replay, outputs = self.recorder(self.fn, static)
         except Exception as e:   # nothing ran: the step goes on eagerly (the same computation)
