@@ -1,3 +1,4 @@
+from . import cast_after as _cast_after  # noqa: F401  (registers forge::cast_after)
 from . import embedding_update as _embedding_update  # noqa: F401  (registers forge::embedding_update(_table)_)
 from . import rule_update as _rule_update  # noqa: F401  (registers forge::rule_update_)
 from .wgrad_update import reference_wgrad_update, wgrad_update

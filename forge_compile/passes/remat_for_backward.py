@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import OpOverload, op_schema
+from ..kernels import cast_after as _cast_after  # noqa: F401  (registers forge::cast_after)
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -174,9 +175,13 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
         for u in list(n.users):
             if u is not c and u not in copies.values() and u.op != "output" and pos.get(u, -1) >= start:
                 u.replace_input_with(n, c)
+    gone = set(copies.values())     # not anchors: copies (and erased originals)
     for n in reversed(nodes):
         if n in copies and not n.users:
             graph.erase_node(n)
+            gone.add(n)
+    for n, c in copies.items():
+        _order_cast(graph, c, nodes[start:copy_at[n]], gone)
     graph.lint()
     gm.recompile()
     saved = sum(_nbytes(n) for n in copies if not _is_view(n))
@@ -184,6 +189,34 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
     log.info("forge: recomputed %d cheap forward values in the backward (%d bytes no longer kept across "
              "the forward/backward boundary)", len(copies), saved)
     return len(copies)
+
+
+def _cast_dtype(n: fx.Node):
+    """The target dtype of a plain dtype cast node, else None."""
+    if n.target is torch.ops.prims.convert_element_type.default:
+        return n.args[1]
+    if n.target is aten._to_copy.default and len(n.args) == 1 and set(n.kwargs) == {"dtype"}:
+        return n.kwargs["dtype"]
+    return None
+
+
+def _order_cast(graph: fx.Graph, c: fx.Node, before: list, gone: set) -> None:
+    """Make the copied cast ``c`` of a graph input (a weight) a forge::cast_after of the latest backward tensor
+    of ``before`` (the backward's nodes up to its insertion point): as a plain cast, Inductor fuses it with the
+    forward's cast of the same input and computes it in the forward (kernels/cast_after.py says why)."""
+    dtype = _cast_dtype(c)
+    if dtype is None or view_root(c.args[0]).op != "placeholder":
+        return
+    anchor = next((a for a in reversed(before) if a not in gone and a.op == "call_function"
+                   and isinstance(a.meta.get("val"), torch.Tensor)), None)
+    if anchor is None:
+        return
+    with graph.inserting_before(c):
+        o = graph.call_function(torch.ops.forge.cast_after.default, (c.args[0], anchor, dtype))
+    o.meta = dict(c.meta)
+    c.replace_all_uses_with(o)
+    graph.erase_node(c)
+    counters["ordered_casts"] += 1
 
 
 def weight_copies_kept(gm: fx.GraphModule, n_forward_outputs: int, params) -> int:
