@@ -44,6 +44,24 @@ def cuda_graph_recorder(fn, args):
 RECORDER = [cuda_graph_recorder]
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a ``dst`` with src's strides, dims of stride 0 (an expanded view, whose indices alias
+    one element) written once: copy_ refuses a destination whose elements overlap."""
+    for d, (size, stride) in enumerate(zip(dst.shape, dst.stride())):
+        if stride == 0 and size > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src, non_blocking=True)
+
+
+def _static_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a step argument with its strides, not clone()'s: a non-dense view (a batch sliced as
+    tokens[:, :-1]) is cloned contiguous, and the compiled step asserts the strides it was traced with. (Later
+    arguments copied in have the same strides: they are part of the compiled step's key.)"""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    _copy_into(out, t)
+    return out
+
+
 class StepGraph:
     """One compiled step (``fn(*flat)``, the scalar table its last input) replayed as a graph. ``arg_idx``: the
     positions of the batch tensors (copied into static buffers at each call)."""
@@ -77,7 +95,7 @@ class StepGraph:
         if self.replay is not None:
             if self._pointers(flat) == self.ptrs:
                 for i in self.arg_idx:
-                    self.static[i].copy_(flat[i], non_blocking=True)
+                    _copy_into(self.static[i], flat[i])
                 self.replay()
                 counters["replays"] += 1
                 return [o.clone() for o in self.outputs]
@@ -90,10 +108,7 @@ class StepGraph:
             return list(self.fn(*flat))
         static = list(flat)
         for i in self.arg_idx:
-            # the argument's own strides, not clone()'s: a non-dense view (a batch sliced as tokens[:, :-1]) is
-            # cloned contiguous, and the compiled step asserts the strides it was traced with
-            t = flat[i]
-            static[i] = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            static[i] = _static_copy(flat[i])
         try:
             replay, outputs = self.recorder(self.fn, static)
         except Exception as e:   # nothing ran: the step goes on eagerly (the same computation)

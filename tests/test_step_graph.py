@@ -262,7 +262,7 @@ def test_interpreter_replayed_step_follows_eager_torch_optim(cpu_graphs, make_op
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_interpreter_sliced_batch_is_replayed(cpu_graphs):
+def test_interpreter_sliced_and_expanded_batch_is_replayed(cpu_graphs):
     # x = data[:, :16] of a [8, 17] tensor: not dense, so clone() would give the static copy other strides than
     # the traced argument's, and the compiled step's stride assert failed the capture (seen with HF's
     # tokens[:, :-1] on the H100, stop 21)
@@ -274,8 +274,9 @@ def test_interpreter_sliced_batch_is_replayed(cpu_graphs):
         torch.manual_seed(0)
         model = MLP()
         opt = make(model.parameters())
-        batches = [(x[:, :16], y) for x, y in _batches(5, (8, 17), (8, 8), "cpu")]
-        assert not batches[0][0].is_contiguous()
+        # and an expanded target (stride 0: the static copy keeps it, written once per aliased element)
+        batches = [(x[:, :16], y[:, :1].expand(8, 8)) for x, y in _batches(5, (8, 17), (8, 8), "cpu")]
+        assert not batches[0][0].is_contiguous() and batches[0][1].stride() == (8, 0)
         losses, _ = _train(model, opt, True, batches)
         out.append((model, opt, losses, dict(sg.counters)))
     sg.RECORDER[0] = sg.cuda_graph_recorder
