@@ -286,6 +286,23 @@ def test_interpreter_sliced_and_expanded_batch_is_replayed(cpu_graphs):
     _same_state(m1, o1, m2, o2)
 
 
+def test_interpreter_replayed_step_frees_buffers_at_their_last_use(cpu_graphs, monkeypatch):
+    # a replayed graph pays nothing per allocation: Inductor frees each buffer at its last use instead of keeping
+    # dead forward buffers for a later (backward) allocation of their size (test_remat_for_backward says why)
+    import torch._inductor.config as inductor_config
+    from forge_compile import _compat
+
+    seen, real = [], _compat.compile_fx
+    monkeypatch.setattr(_compat, "compile_fx", lambda gm, inputs: seen.append(inductor_config.allow_buffer_reuse)
+                        or real(gm, inputs))
+    sg.RECORDER[0] = rerun_recorder
+    torch.manual_seed(0)
+    model = MLP()
+    _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), True, _batches(3, (8, 16), (8, 8), "cpu"))
+    sg.RECORDER[0] = sg.cuda_graph_recorder
+    assert seen == [False] and sg.counters["replays"] == 1
+
+
 def test_interpreter_replaced_state_is_captured_again(cpu_graphs):
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     (m1, o1, l1), (m2, o2, l2) = _pair(make, replace_state_at=4)
