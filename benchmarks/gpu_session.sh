@@ -29,10 +29,13 @@ if [ "${TESTS:-x}" != "0" ]; then
   # the whole suite did not finish in 330 s on 12 processes (stop 15): 420 s by default for it; --durations names
   # the tests that take the time
   [ -z "${TESTS:-}" ] && [ "$DEFAULT_TESTS" = tests ] && : ${TEST_TIMEOUT:=420}
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
+  # -v: each test's outcome is logged as it ends, so a run cut by the timeout (no summary) still names its failures
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -v -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
     ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
   stamp "pytest rc=$?"; grep -E "^[0-9.]+s (call|setup)" $OUT/pytest.log | head -8; tail -3 $OUT/pytest.log
-  grep -E "^FAILED|^ERROR" $OUT/pytest.log | head -20
+  echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' $OUT/pytest.log)"
+  grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) |^(FAILED|ERROR) " $OUT/pytest.log | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' \
+    | sort -u | head -30
 fi
 if [ -n "${EXTRA:-}" ]; then
   timeout ${EXTRA_TIMEOUT:-200} bash -c "$EXTRA" > $OUT/extra.log 2>&1
