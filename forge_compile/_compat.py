@@ -49,32 +49,25 @@ def compile_fx(gm, example_inputs):
 
 
 @contextlib.contextmanager
-def inductor_config_for_forge():
+def inductor_config_for_forge(free_at_last_use: bool = False):
     """Inductor settings the fused op needs.
 
     reorder_for_locality can move a read of W below the in-place update, and reinplacing then clones
     the whole weight (see shared NOTES); turning it off costs nothing measurable on these graphs.
+
+    ``free_at_last_use``: Inductor frees each buffer at its last use (``allow_buffer_reuse=False``) instead of
+    keeping it allocated until a later allocation of the same size takes it over. In forge's whole-step graph that
+    later allocation is often in the backward, so forward buffers whose values are dead stay allocated across the
+    forward/backward boundary, where the peak sits (torch.compile's separate forward and backward graphs cannot
+    do that). CPU Inductor output of a 1-layer Llama step: 10-22 % of the bytes alive at the boundary were such
+    buffers. The cost is one allocator call per buffer instead of none: nothing in a replayed CUDA graph.
     """
     from torch._inductor import config
 
-    with config.patch(reorder_for_locality=False):
-        yield
-
-
-@contextlib.contextmanager
-def inductor_free_at_last_use(on: bool):
-    """With ``on``, Inductor frees each buffer at its last use (``allow_buffer_reuse=False``) instead of keeping it
-    allocated until a later allocation of the same size takes it over. In forge's whole-step graph that later
-    allocation is often in the backward, so forward buffers whose values are dead stay allocated across the
-    forward/backward boundary, where the peak sits (torch.compile's separate forward and backward graphs cannot
-    do that). CPU Inductor output of a 1-layer Llama step: 10-22 % of the bytes alive at the boundary were such
-    buffers. The cost is one allocator call per buffer instead of none: nothing in a replayed CUDA graph."""
-    if not on:
-        yield
-        return
-    from torch._inductor import config
-
-    with config.patch(allow_buffer_reuse=False):
+    patches = dict(reorder_for_locality=False)
+    if free_at_last_use:
+        patches["allow_buffer_reuse"] = False
+    with config.patch(**patches):
         yield
 
 

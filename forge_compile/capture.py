@@ -455,10 +455,8 @@ class CompiledTrainStep:
             _compat.reset_reinplace_counters()
             # the user's Inductor options first, forge's required settings over them; buffers freed at their last
             # use where that costs no host time (a replayed graph) or memory was asked for, unless the user chose
-            free = ((table is not None or self._recompute_weight_copies)
-                    and "allow_buffer_reuse" not in (self._options or {}))
-            with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge(), \
-                    _compat.inductor_free_at_last_use(free):
+            free = (table is not None or self._recompute_weight_copies) and "allow_buffer_reuse" not in self._options
+            with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge(free):
                 compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
             report.notes.extend(_clone_notes())
             entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],

@@ -134,3 +134,35 @@ def rerun_recorder(fn, args):
     def replay():
         outs[:] = list(fn(*args))
     return replay, outs
+
+
+def buffer_reuse_at_compile(monkeypatch, steps=1, **kw):
+    """Inductor's allow_buffer_reuse while compile_train_step(**kw) compiles an autocast MLP step (run ``steps``
+    times), one entry per compile."""
+    import torch._inductor.config as inductor_config
+
+    import forge_compile as forge
+    from forge_compile import _compat
+
+    seen = []
+    real = _compat.compile_fx
+
+    def spy(gm, inputs):
+        seen.append(inductor_config.allow_buffer_reuse)
+        return real(gm, inputs)
+
+    monkeypatch.setattr(_compat, "compile_fx", spy)
+    torch.manual_seed(0)
+    m = MLP(16, 32, 8)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    @forge.compile_train_step(**kw)
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(m(x).float(), y)
+        loss.backward(); opt.step(); opt.zero_grad()
+        return loss
+
+    for _ in range(steps):
+        step(torch.randn(4, 16), torch.randn(4, 8))
+    return seen

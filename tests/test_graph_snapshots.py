@@ -40,6 +40,19 @@ def _fused_lines(g):
     return "\n".join(l for l in g.splitlines() if "forge." in l or l.startswith("return"))
 
 
+def _two_linear_autocast_step():
+    """Two bias-free linears on 3-D activations, SGD, bf16 CPU autocast: the step of the weight-copy snapshots."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    return step
+
+
 class TestSnapshots(TestCase):
     def test_mlp_adamw(self):
         step, args = _mlp_step(lambda p: torch.optim.AdamW(p, lr=1e-3))
@@ -200,15 +213,7 @@ v25 = forge.rule_update_(in3, v15, [in14, in15], v24, 'adamw[amsgrad=False,maxim
         # backward's mms read a copy input (between the hyper-parameters and the step's argument, now in6; in the
         # fused updates' order: in4 the second layer's, in5 the first's), and each fused update -- after every
         # reader of its copy, so after the second layer's dX mm -- writes the new weight's copy into it
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3, bias=False))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-
-        def step(x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().square().mean()
-            loss.backward(); opt.step(); opt.zero_grad(); return loss
-        g, rep = _rewritten(step, torch.randn(2, 5, 4), cast_weights_in_update=True)
+        g, rep = _rewritten(_two_linear_autocast_step(), torch.randn(2, 5, 4), cast_weights_in_update=True)
         self.assertIn("2 fused weights' low-precision copies are written by their update", " ".join(rep.notes))
         self.assertExpectedInline(g, """\
 v0 = aten._to_copy(in6, dtype=torch.bfloat16)
@@ -249,14 +254,7 @@ return [v11]""")
         # across the boundary). recompute_weight_copies: the update follows the dX mm, which reads a copy cast
         # again right before it; the first layer needs no dX (its input needs no gradient), so its copy is not
         # read in the backward either way.
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3, bias=False))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-
-        def step(x):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().square().mean()
-            loss.backward(); opt.step(); opt.zero_grad(); return loss
+        step = _two_linear_autocast_step()
         x = torch.randn(2, 5, 4)
         kept, _ = _rewritten(step, x)
         g, rep = _rewritten(step, x, recompute_weight_copies=True)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import forge_compile as forge
 from forge_compile import _compat
 from forge_compile.passes.remat_for_backward import view_root, backward_start, remat_for_backward, weight_copies_kept
-from models import MLP
+from models import MLP, buffer_reuse_at_compile
 
 aten = torch.ops.aten
 
@@ -172,39 +172,12 @@ def test_recompute_weight_copies_keeps_no_weight_copy_across_the_boundary(monkey
     assert all(torch.equal(a, b) for a, b in zip(kept_params, params))
 
 
-def _buffer_reuse_at_compile(monkeypatch, **kw):
-    """Inductor's allow_buffer_reuse while compile_train_step compiles an autocast MLP step."""
-    import torch._inductor.config as inductor_config
-
-    seen = []
-    real = _compat.compile_fx
-
-    def spy(gm, inputs):
-        seen.append(inductor_config.allow_buffer_reuse)
-        return real(gm, inputs)
-
-    monkeypatch.setattr(_compat, "compile_fx", spy)
-    torch.manual_seed(0)
-    m = MLP(16, 32, 8)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-    @forge.compile_train_step(**kw)
-    def step(x, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.mse_loss(m(x).float(), y)
-        loss.backward(); opt.step(); opt.zero_grad()
-        return loss
-
-    step(torch.randn(4, 16), torch.randn(4, 8))
-    return seen
-
-
 def test_recompute_weight_copies_frees_buffers_at_their_last_use(monkeypatch):
     # In the whole-step graph Inductor's buffer reuse kept dead forward buffers allocated until a backward
     # allocation of the same size took them over, i.e. across the boundary (10-22 % of the bytes alive there in a
     # 1-layer Llama's CPU output code): the memory option turns that reuse off; the default keeps Inductor's
     # setting (one allocator call per buffer costs host time), and so does a user's explicit choice.
-    assert _buffer_reuse_at_compile(monkeypatch) == [True]
-    assert _buffer_reuse_at_compile(monkeypatch, recompute_weight_copies=True) == [False]
-    assert _buffer_reuse_at_compile(monkeypatch, recompute_weight_copies=True,
+    assert buffer_reuse_at_compile(monkeypatch) == [True]
+    assert buffer_reuse_at_compile(monkeypatch, recompute_weight_copies=True) == [False]
+    assert buffer_reuse_at_compile(monkeypatch, recompute_weight_copies=True,
                                     options={"allow_buffer_reuse": True}) == [True]

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
 from interpreter import run_child  # noqa: E402
-from models import MLP, Block, rerun_recorder  # noqa: E402
+from models import MLP, Block, buffer_reuse_at_compile, rerun_recorder  # noqa: E402
 
 
 def _train(model, opt, cuda_graphs, batches, sched=None, replace_state_at=None, autocast=None):
@@ -289,16 +289,8 @@ def test_interpreter_sliced_and_expanded_batch_is_replayed(cpu_graphs):
 def test_interpreter_replayed_step_frees_buffers_at_their_last_use(cpu_graphs, monkeypatch):
     # a replayed graph pays nothing per allocation: Inductor frees each buffer at its last use instead of keeping
     # dead forward buffers for a later (backward) allocation of their size (test_remat_for_backward says why)
-    import torch._inductor.config as inductor_config
-    from forge_compile import _compat
-
-    seen, real = [], _compat.compile_fx
-    monkeypatch.setattr(_compat, "compile_fx", lambda gm, inputs: seen.append(inductor_config.allow_buffer_reuse)
-                        or real(gm, inputs))
     sg.RECORDER[0] = rerun_recorder
-    torch.manual_seed(0)
-    model = MLP()
-    _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), True, _batches(3, (8, 16), (8, 8), "cpu"))
+    seen = buffer_reuse_at_compile(monkeypatch, steps=3, cuda_graphs=True)
     sg.RECORDER[0] = sg.cuda_graph_recorder
     assert seen == [False] and sg.counters["replays"] == 1
 

@@ -191,28 +191,21 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
     return len(copies)
 
 
-def _cast_dtype(n: fx.Node):
-    """The target dtype of a plain dtype cast node, else None."""
-    if n.target is torch.ops.prims.convert_element_type.default:
-        return n.args[1]
-    if n.target is aten._to_copy.default and len(n.args) == 1 and set(n.kwargs) == {"dtype"}:
-        return n.kwargs["dtype"]
-    return None
-
-
 def _order_cast(graph: fx.Graph, c: fx.Node, before: list, gone: set) -> None:
     """Make the copied cast ``c`` of a graph input (a weight) a forge::cast_after of the latest backward tensor
     of ``before`` (the backward's nodes up to its insertion point): as a plain cast, Inductor fuses it with the
     forward's cast of the same input and computes it in the forward (kernels/cast_after.py says why)."""
-    dtype = _cast_dtype(c)
-    if dtype is None or view_root(c.args[0]).op != "placeholder":
+    val = c.meta.get("val")
+    # a plain dtype cast (as weight_cast_in_update takes them): no layout/device/memory-format arguments
+    if (c.target not in _CASTS or set(c.kwargs) - {"dtype"} or not isinstance(val, torch.Tensor)
+            or view_root(c.args[0]).op != "placeholder"):
         return
     anchor = next((a for a in reversed(before) if a not in gone and a.op == "call_function"
                    and isinstance(a.meta.get("val"), torch.Tensor)), None)
     if anchor is None:
         return
     with graph.inserting_before(c):
-        o = graph.call_function(torch.ops.forge.cast_after.default, (c.args[0], anchor, dtype))
+        o = graph.call_function(torch.ops.forge.cast_after.default, (c.args[0], anchor, val.dtype))
     o.meta = dict(c.meta)
     c.replace_all_uses_with(o)
     graph.erase_node(c)
