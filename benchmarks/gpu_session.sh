@@ -29,8 +29,8 @@ if [ "${TESTS:-x}" != "0" ]; then
   # the whole suite did not finish in 330 s on 12 processes (stop 15): 420 s by default for it; --durations names
   # the tests that take the time
   [ -z "${TESTS:-}" ] && [ "$DEFAULT_TESTS" = tests ] && : ${TEST_TIMEOUT:=420}
-  # -v: each test's outcome is logged as it ends, so a run cut by the timeout (no summary) still names its failures
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -v -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
+  # -v (and no -q, which cancels it): each test's outcome is logged as it ends, so a run cut by the timeout (no summary) still names its failures
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
     ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
   stamp "pytest rc=$?"; grep -E "^[0-9.]+s (call|setup)" $OUT/pytest.log | head -8; tail -3 $OUT/pytest.log
   echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' $OUT/pytest.log)"
