@@ -136,9 +136,20 @@ def inductor_config_patch(patches):
 
 
 def compile_fx_inner(gm, example_inputs, **kwargs):
-    from torch._inductor.compile_fx import compile_fx_inner as _inner
+    """Inductor's compile_fx_inner. With ``cpp_wrapper=True`` it first applies the Triton settings the C++ wrapper
+    needs (``store_cubin``, ...): compile_fx applies them only while it runs, and a backward compiled lazily at
+    its first call (the backend route's) comes after that, so torch 2.11 compiled it without them and failed on
+    the GPU ("CudaKernelParamCache not populated"); torch 2.13's compile_fx_inner applies them itself."""
+    from torch._inductor import compile_fx as cfx
 
-    return _inner(gm, example_inputs, **kwargs)
+    if not kwargs.get("cpp_wrapper"):
+        return cfx.compile_fx_inner(gm, example_inputs, **kwargs)
+    try:
+        patches = cfx.get_cpp_wrapper_config(log_cudagraph_skip=False)
+    except TypeError:      # torch 2.11: no argument
+        patches = cfx.get_cpp_wrapper_config()
+    with cfx.config.patch(patches):
+        return cfx.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def detect_fake_mode(inputs):
