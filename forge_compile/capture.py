@@ -512,10 +512,12 @@ class CompiledTrainStep:
 
 
 # cast_weights_in_update: one low-precision copy per (parameter, dtype), shared by every compiled step, with the
-# parameter's version counter as of the copy's last write. A step's graph reads the copy as W.to(dtype) at the step's
-# start and its fused update writes the new W's copy into it; anything else that writes the parameter (an in-place
-# op, load_state_dict, another optimizer) moves the version, and the next call casts again. A write through ``.data``
-# does not move it (``.data`` has its own version counter): such code must not be mixed with the option.
+# parameter's version counter and data pointer as of the copy's last write. A step's graph reads the copy as
+# W.to(dtype) at the step's start and its fused update writes the new W's copy into it; anything else that writes the
+# parameter (an in-place op, load_state_dict, another optimizer) moves the version, and a new storage
+# (``p.data = t``, vector_to_parameters) moves the pointer without moving the version: either makes the next call
+# cast again. An in-place write through ``.data`` moves neither (``.data`` has its own version counter, same
+# storage): such code must not be mixed with the option.
 _WEIGHT_CASTS = WeakIdKeyDictionary()
 
 
@@ -531,12 +533,13 @@ def weight_casts(params, casts) -> list:
         hit = by_dtype.get(dtype)
         if hit is None or hit[0].shape != p.shape or hit[0].device != p.device:
             with torch.no_grad():
-                hit = by_dtype[dtype] = [p.detach().to(dtype, memory_format=torch.contiguous_format), p._version]
+                hit = by_dtype[dtype] = [p.detach().to(dtype, memory_format=torch.contiguous_format), p._version,
+                                         p.data_ptr()]
             counters["weight_casts_made"] += 1
-        elif hit[1] != p._version:
+        elif hit[1] != p._version or hit[2] != p.data_ptr():
             with torch.no_grad():
                 hit[0].copy_(p.detach())
-            hit[1] = p._version
+            hit[1], hit[2] = p._version, p.data_ptr()
             counters["weight_casts_refreshed"] += 1
         out.append(hit[0])
     return out
@@ -547,7 +550,8 @@ def note_weight_casts_current(params, casts) -> None:
     now (the update moved it, or -- replayed in a CUDA graph -- no Python ran and it did not move)."""
     for i, dtype in casts:
         p = params[i]
-        _WEIGHT_CASTS[p][dtype][1] = p._version
+        hit = _WEIGHT_CASTS[p][dtype]
+        hit[1], hit[2] = p._version, p.data_ptr()
 
 
 def _clone_notes():
@@ -610,8 +614,9 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     next step's forward reads instead of casting the weight again (a separate kernel reading 4 and writing 2 bytes
     per parameter). The copies stay allocated between steps (2 bytes per parameter) and replace the copies the
     step would keep from the forward for the backward. Values are identical. A copy is cast again whenever its
-    parameter's version counter moved outside the step (in-place edits, ``load_state_dict``); writes through
-    ``param.data`` do not move it and would leave the copy stale: do not combine them with this option.
+    parameter's version counter moved outside the step (in-place edits, ``load_state_dict``) or its storage changed
+    (``param.data = t``); in-place writes through ``param.data`` move neither and would leave the copy stale: do
+    not combine them with this option.
     Excludes ``recompute_weight_copies``."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
               cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
