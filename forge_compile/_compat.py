@@ -140,7 +140,7 @@ def compile_fx_inner(gm, example_inputs, **kwargs):
     needs (``store_cubin``, ...): compile_fx applies them only while it runs, and a backward compiled lazily at
     its first call (the backend route's) comes after that, so torch 2.11 compiled it without them and failed on
     the GPU ("CudaKernelParamCache not populated"); torch 2.13's compile_fx_inner applies them itself."""
-    from torch._inductor import compile_fx as cfx
+    from torch._inductor import compile_fx as cfx, config
 
     if not kwargs.get("cpp_wrapper"):
         return cfx.compile_fx_inner(gm, example_inputs, **kwargs)
@@ -148,7 +148,7 @@ def compile_fx_inner(gm, example_inputs, **kwargs):
         patches = cfx.get_cpp_wrapper_config(log_cudagraph_skip=False)
     except TypeError:      # torch 2.11: no argument
         patches = cfx.get_cpp_wrapper_config()
-    with cfx.config.patch(patches):
+    with config.patch(patches):
         return cfx.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
