@@ -134,3 +134,23 @@ def test_cpp_wrapper_with_embedding_update(device, tmp_path, monkeypatch):
     assert any(_calls(src, "embedding_update_") for src in sources), f"{len(sources)} C++ sources, no forge call"
     assert losses_cpp == losses_py
     assert all(torch.equal(a, b) for a, b in zip(params_py, params_cpp))
+
+
+def test_lazily_compiled_backward_gets_the_cpp_wrapper_settings(monkeypatch):
+    # compile_fx applies the C++ wrapper's Triton settings (store_cubin, ...) only while it runs; the backend route's
+    # backward compiles at its first call, after it returned. torch 2.11 then compiled it without them and the GPU
+    # compile failed ("CudaKernelParamCache not populated", H200, stop 22); forge's compile_fx_inner applies them
+    # (torch 2.13's does too, but only inside): the backward's compile must start with them in place
+    import torch._inductor.compile_fx as cfx
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    real = cfx.compile_fx_inner
+
+    def spy(gm, inputs, **kw):
+        if kw.get("is_backward"):
+            seen.append(inductor_config.triton.store_cubin)
+        return real(gm, inputs, **kw)
+    monkeypatch.setattr(cfx, "compile_fx_inner", spy)
+    _train("backend", True, "cpu")
+    assert seen and all(seen), seen
