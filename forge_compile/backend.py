@@ -247,6 +247,14 @@ class _Entry(ParamStates):
         self.plan, self.with_states = plan, with_states
         self.param = plan.param.detach()      # shares storage and version counter with the parameter
 
+    def current_param(self) -> torch.Tensor:
+        """The parameter as the fused op writes it. The detached alias shares the parameter's storage as of its
+        making: a new storage under the same Parameter (``p.data = t``, vector_to_parameters) would leave the
+        update writing the old one while the model reads the new (silently wrong), so it is made again then."""
+        if self.param.data_ptr() != self.plan.param.data_ptr():
+            self.param = self.plan.param.detach()
+        return self.param
+
 
 class _Extras:
     """What the runtime appends to the backward's inputs, per fused parameter: the parameter, its
@@ -275,7 +283,7 @@ class _Extras:
         self.cache.refresh(self.opt, self._items)
         out = []
         for e in self.entries:
-            out.append(e.param)
+            out.append(e.current_param())
             if e.with_states and self.table is not None:
                 out.extend(split_states(e.rule, e.states)[0])
             elif e.with_states:
