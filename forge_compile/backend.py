@@ -36,7 +36,6 @@ Semantics that change because the update happens inside backward, and what the r
 from __future__ import annotations
 
 import contextlib
-import copy
 import collections
 import dataclasses
 import logging
@@ -250,7 +249,8 @@ class _Entry(ParamStates):
     def current_param(self) -> torch.Tensor:
         """The parameter as the fused op writes it. The detached alias shares the parameter's storage as of its
         making: a new storage under the same Parameter (``p.data = t``, vector_to_parameters) would leave the
-        update writing the old one while the model reads the new (silently wrong), so it is made again then."""
+        update writing the old one while the model reads the new (silently wrong), so it is made again then. (The
+        alias keeps the old storage alive until then, so a new storage cannot take its address.)"""
         if self.param.data_ptr() != self.plan.param.data_ptr():
             self.param = self.plan.param.detach()
         return self.param

@@ -512,12 +512,13 @@ class CompiledTrainStep:
 
 
 # cast_weights_in_update: one low-precision copy per (parameter, dtype), shared by every compiled step, with the
-# parameter's version counter and data pointer as of the copy's last write. A step's graph reads the copy as
-# W.to(dtype) at the step's start and its fused update writes the new W's copy into it; anything else that writes the
-# parameter (an in-place op, load_state_dict, another optimizer) moves the version, and a new storage
-# (``p.data = t``, vector_to_parameters) moves the pointer without moving the version: either makes the next call
-# cast again. An in-place write through ``.data`` moves neither (``.data`` has its own version counter, same
-# storage): such code must not be mixed with the option.
+# parameter's version counter and a detached alias of its storage as of the copy's last write. A step's graph reads
+# the copy as W.to(dtype) at the step's start and its fused update writes the new W's copy into it; anything else that
+# writes the parameter (an in-place op, load_state_dict, another optimizer) moves the version, and a new storage
+# (``p.data = t``, vector_to_parameters) leaves the version but not the data pointer: either makes the next call cast
+# again. (The alias keeps the old storage alive until then, so a new one cannot take its address.) An in-place write
+# through ``.data`` moves neither (``.data`` has its own version counter, same storage): such code must not be mixed
+# with the option.
 _WEIGHT_CASTS = WeakIdKeyDictionary()
 
 
@@ -534,12 +535,12 @@ def weight_casts(params, casts) -> list:
         if hit is None or hit[0].shape != p.shape or hit[0].device != p.device:
             with torch.no_grad():
                 hit = by_dtype[dtype] = [p.detach().to(dtype, memory_format=torch.contiguous_format), p._version,
-                                         p.data_ptr()]
+                                         p.detach()]
             counters["weight_casts_made"] += 1
-        elif hit[1] != p._version or hit[2] != p.data_ptr():
+        elif hit[1] != p._version or hit[2].data_ptr() != p.data_ptr():
             with torch.no_grad():
                 hit[0].copy_(p.detach())
-            hit[1], hit[2] = p._version, p.data_ptr()
+            hit[1], hit[2] = p._version, p.detach()
             counters["weight_casts_refreshed"] += 1
         out.append(hit[0])
     return out
@@ -551,7 +552,9 @@ def note_weight_casts_current(params, casts) -> None:
     for i, dtype in casts:
         p = params[i]
         hit = _WEIGHT_CASTS[p][dtype]
-        hit[1], hit[2] = p._version, p.data_ptr()
+        hit[1] = p._version
+        if hit[2].data_ptr() != p.data_ptr():
+            hit[2] = p.detach()
 
 
 def _clone_notes():
