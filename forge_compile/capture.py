@@ -88,6 +88,39 @@ def discover(fn):
     return modules, optimizers
 
 
+def _scheduler_classes() -> list:
+    """torch's LRScheduler and every subclass that defines its own ``step`` (ReduceLROnPlateau, SequentialLR, a
+    user's scheduler, ...), found when asked: subclasses can be defined at any time."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    out, todo = [base], list(base.__subclasses__())
+    while todo:
+        c = todo.pop()
+        todo.extend(c.__subclasses__())
+        if "step" in c.__dict__:
+            out.append(c)
+    return out
+
+
+@contextlib.contextmanager
+def _no_scheduler_steps():
+    """While the step is traced, an LR scheduler's ``step()`` raises. The trace runs the step's Python once, so a
+    scheduler stepped inside the compiled step would advance once (at the trace), never at the calls: silently
+    another learning-rate schedule. The error comes before the scheduler or any parameter changed."""
+    def refuse(sched, *args, **kwargs):
+        raise ForgeCaptureError(
+            f"forge.compile_train_step: the step calls {type(sched).__name__}.step(); the step is traced once, so "
+            "the scheduler would advance only then, not at every call. Call it after the compiled step (forge "
+            "reads the learning rate from param_groups at every call).")
+    patched = [(c, c.__dict__["step"]) for c in _scheduler_classes()]
+    try:
+        for c, _ in patched:
+            c.step = refuse
+        yield
+    finally:
+        for c, real in patched:
+            c.step = real
+
+
 @dataclasses.dataclass
 class _Compiled:
     fn: object
@@ -306,7 +339,8 @@ class CompiledTrainStep:
         step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
                                                     hparams, args, kwargs)
         try:
-            gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
+            with _no_scheduler_steps():
+                gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
         except ForgeCaptureError:
             raise
         except Exception as e:

@@ -568,3 +568,38 @@ def test_fused_adamw_step_mirror_with_cached_reads(fused_adamw_via_mirror, count
     assert calls == {"states": 0, "hparams": 0}, calls
     _assert_same_training(model, opt, ref, ref_opt, "fused AdamW, step mirror")
     assert all(float(opt.state[p]["step"]) == 6.0 for p in model.parameters())
+
+
+_SCHEDULERS = {
+    "steplr": (lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5), lambda s, loss: s.step()),
+    "plateau": (lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0), lambda s, loss: s.step(loss)),
+    "sequential": (lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 0.5, total_iters=2), torch.optim.lr_scheduler.StepLR(o, 1)],
+        milestones=[2]), lambda s, loss: s.step()),
+}
+
+
+@pytest.mark.parametrize("name", list(_SCHEDULERS))
+def test_scheduler_stepped_inside_the_step_is_refused_before_anything_changed(name):
+    # the step is traced once: a scheduler stepped inside it would have advanced once, at the trace, and the
+    # training would have gone on at that learning rate without a word (measured before the check: StepLR's lr
+    # 0.005 after 5 steps instead of 0.0003)
+    make, call = _SCHEDULERS[name]
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = make(opt)
+    lr0, epoch0 = opt.param_groups[0]["lr"], sched.last_epoch
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); call(sched, loss)
+        return loss
+    with pytest.raises(forge.ForgeCaptureError, match=rf"{type(sched).__name__}\.step\(\)"):
+        step(*_mlp_batch())
+    assert opt.param_groups[0]["lr"] == lr0 and sched.last_epoch == epoch0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    call(sched, torch.tensor(1.0))      # the scheduler's own step is back
+    assert sched.last_epoch == epoch0 + 1
+
