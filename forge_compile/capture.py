@@ -121,6 +121,56 @@ def _no_scheduler_steps():
             c.step = real
 
 
+def _hparam_write_error(what) -> ForgeCaptureError:
+    return ForgeCaptureError(
+        f"forge.compile_train_step: the step writes the optimizer's param_groups ({what}); the step is traced once, "
+        "so the write would take effect once, not at every call. Set hyper-parameters before calling the compiled "
+        "step (forge reads param_groups at every call).")
+
+
+class _WatchedGroup(dict):
+    """A param_group stand-in for the trace: reads as the group, refuses every write."""
+
+    def _refuse(self, *args, **kwargs):
+        raise _hparam_write_error(repr(args[0]) if args and not isinstance(args[0], dict) else "update")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = _refuse
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return a is b or a == b
+
+
+@contextlib.contextmanager
+def _no_hparam_writes(optimizers):
+    """While the step is traced, the optimizers' param_groups must not be written: the trace runs the step's
+    Python once, so an lr (or any hyper-parameter) set inside the step would take effect once and stay (silently
+    another schedule), while forge reads param_groups at every call. Writes through ``opt.param_groups`` raise
+    (the groups are read-only stand-ins during the trace); a change made through another reference to a group is
+    put back and fails the trace after it."""
+    groups = [(opt, i, g, {k: v for k, v in g.items() if k != "params"})
+              for opt in optimizers for i, g in enumerate(opt.param_groups)]
+
+    def restore():
+        for opt, i, g, old in groups:
+            opt.param_groups[i] = g
+            for k in [k for k in g if k != "params" and k not in old]:
+                del g[k]
+            g.update(old)
+    for opt, i, g, _ in groups:
+        opt.param_groups[i] = _WatchedGroup(g)
+    try:
+        yield
+        changed = sorted({k for _, _, g, old in groups for k in (set(old) | set(g)) - {"params"}
+                          if k not in old or k not in g or not _same_value(g[k], old[k])})
+    finally:
+        restore()       # the original group objects back (others hold them), with their values
+    if changed:
+        raise _hparam_write_error(", ".join(changed))
+
+
 @dataclasses.dataclass
 class _Compiled:
     fn: object
@@ -339,7 +389,7 @@ class CompiledTrainStep:
         step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
                                                     hparams, args, kwargs)
         try:
-            with _no_scheduler_steps():
+            with _no_scheduler_steps(), _no_hparam_writes(optimizers):
                 gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
         except ForgeCaptureError:
             raise

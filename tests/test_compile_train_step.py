@@ -603,3 +603,25 @@ def test_scheduler_stepped_inside_the_step_is_refused_before_anything_changed(na
     call(sched, torch.tensor(1.0))      # the scheduler's own step is back
     assert sched.last_epoch == epoch0 + 1
 
+
+@pytest.mark.parametrize("how", ["param_groups", "held_group"])
+def test_hyper_parameter_written_inside_the_step_is_refused_and_put_back(how):
+    # the same trap as a scheduler: an lr set inside the step (a warmup by hand) takes effect at the trace only --
+    # measured before the check: lr stuck at its first value, weights 0.02 off eager after 4 steps
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    held = opt.param_groups[0]
+    calls = {"n": 0}
+
+    @forge.compile_train_step
+    def step(x, y):
+        calls["n"] += 1
+        group = opt.param_groups[0] if how == "param_groups" else held
+        group["lr"] = 2e-2 / calls["n"]          # a new value even at the trace
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+        return loss
+    with pytest.raises(forge.ForgeCaptureError, match="param_groups.*'?lr'?"):
+        step(*_mlp_batch())
+    assert opt.param_groups[0] is held and held["lr"] == 1e-2
+    assert all(p.grad is None for p in model.parameters())
+
