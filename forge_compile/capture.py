@@ -632,13 +632,11 @@ def weight_casts(params, casts) -> list:
 
 def note_weight_casts_current(params, casts) -> None:
     """After a step: its fused updates wrote each copy from the new W, so the copy matches the parameter's version
-    now (the update moved it, or -- replayed in a CUDA graph -- no Python ran and it did not move)."""
+    now (the update moved it, or -- replayed in a CUDA graph -- no Python ran and it did not move). Its storage alias
+    is current already: weight_casts made it at this call's start, and a step cannot give a parameter a new storage."""
     for i, dtype in casts:
         p = params[i]
-        hit = _WEIGHT_CASTS[p][dtype]
-        hit[1] = p._version
-        if hit[2].data_ptr() != p.data_ptr():
-            hit[2] = p.detach()
+        _WEIGHT_CASTS[p][dtype][1] = p._version
 
 
 def _clone_notes():

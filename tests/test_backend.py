@@ -681,4 +681,3 @@ def test_new_parameter_storage_between_steps_matches_torch_optim(route):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for a, b in zip(params, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-

@@ -624,4 +624,3 @@ def test_hyper_parameter_written_inside_the_step_is_refused_and_put_back(how):
         step(*_mlp_batch())
     assert opt.param_groups[0] is held and held["lr"] == 1e-2
     assert all(p.grad is None for p in model.parameters())
-
