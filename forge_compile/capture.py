@@ -540,7 +540,13 @@ class CompiledTrainStep:
             # the user's Inductor options first, forge's required settings over them; buffers freed at their last
             # use where that costs no host time (a replayed graph) or memory was asked for, unless the user chose
             free = (table is not None or self._recompute_weight_copies) and "allow_buffer_reuse" not in self._options
-            with _compat.inductor_config_patch(self._options), _compat.inductor_config_for_forge(free):
+            options = self._options
+            if options.get("cpp_wrapper") and (hazards := cpu_scalars_read_on_gpu(gm)):
+                options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
+                report.notes.append(_CPP_WRAPPER_NOTE.format(n=len(hazards)))
+                log.warning("forge: %s", report.notes[-1])
+                counters["cpp_wrapper_declined"] += 1
+            with _compat.inductor_config_patch(options), _compat.inductor_config_for_forge(free):
                 compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
             report.notes.extend(_clone_notes())
             entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
@@ -664,6 +670,42 @@ def _patched(opt, step, zero_grad):
             opt.zero_grad = old_zero
         else:
             del opt.zero_grad
+
+
+# Inductor's C++ wrapper (torch 2.11, H100/H200) handed a GPU kernel the host pointer of a 0-dim CPU tensor that the
+# same graph also writes -- torch.optim's CPU step counter of a CUDA parameter, which the unfused updates' bias
+# corrections read -- where the Python wrapper passes its value. The kernel read host memory while the host, running
+# ahead, had already advanced the counter: bias corrections of a later step, parameters 3e-3 off from step 2 on
+# (benchmarks/diag_cpp_wrapper.py; NOTES_kernel.md stop 23). Such a graph is compiled with the Python wrapper.
+_CPP_WRAPPER_NOTE = ("cpp_wrapper not used for this graph: GPU kernels read {n} 0-dim CPU tensor(s) the step also "
+                     "updates (torch.optim's CPU step counters), which Inductor's C++ wrapper passes by host pointer, "
+                     "racing with the update (wrong bias corrections on the GPU, torch 2.11); keep the optimizer's "
+                     "step on the device (fused=True or capturable=True) to use the C++ wrapper")
+
+
+def cpu_scalars_read_on_gpu(gm) -> list[str]:
+    """The placeholders of ``gm`` holding a 0-dim CPU tensor that the graph writes (``copy_`` into it) and whose value
+    reaches a tensor on another device, through any chain of CPU values."""
+    hazards = []
+    for ph in gm.graph.nodes:
+        if ph.op != "placeholder":
+            continue
+        v = ph.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"):
+            continue
+        if not any(u.target is torch.ops.aten.copy_.default and u.args[0] is ph for u in ph.users):
+            continue
+        seen, todo = {ph}, [ph]
+        while todo and ph.target not in hazards:
+            for u in todo.pop().users:
+                vals = [x for x in pytree.tree_leaves(u.meta.get("val")) if isinstance(x, torch.Tensor)]
+                if any(x.device.type != "cpu" for x in vals):
+                    hazards.append(ph.target)
+                    break
+                if vals and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+    return hazards
 
 
 def _decompose_remaining_updates(gm, flat):
