@@ -674,13 +674,14 @@ def _patched(opt, step, zero_grad):
 
 # Inductor's C++ wrapper (torch 2.11, H100/H200) handed a GPU kernel the host pointer of a 0-dim CPU tensor that the
 # same graph also writes -- torch.optim's CPU step counter of a CUDA parameter, which the unfused updates' bias
-# corrections read -- where the Python wrapper passes its value. The kernel read host memory while the host, running
+# corrections read (or forge's CPU mirror of a fused/capturable optimizer's device step: the same) -- where the
+# Python wrapper passes its value. The kernel read host memory while the host, running
 # ahead, had already advanced the counter: bias corrections of a later step, parameters 3e-3 off from step 2 on
 # (benchmarks/diag_cpp_wrapper.py; NOTES_kernel.md stop 23). Such a graph is compiled with the Python wrapper.
 _CPP_WRAPPER_NOTE = ("cpp_wrapper not used for this graph: GPU kernels read {n} 0-dim CPU tensor(s) the step also "
-                     "updates (torch.optim's CPU step counters), which Inductor's C++ wrapper passes by host pointer, "
-                     "racing with the update (wrong bias corrections on the GPU, torch 2.11); keep the optimizer's "
-                     "step on the device (fused=True or capturable=True) to use the C++ wrapper")
+                     "updates (step counters: torch.optim's own, or forge's host mirror of a fused/capturable "
+                     "optimizer's), which Inductor's C++ wrapper passes by host pointer, racing with the update "
+                     "(wrong bias corrections on the GPU, torch 2.11); compiled with the Python wrapper")
 
 
 def cpu_scalars_read_on_gpu(gm) -> list[str]:

@@ -6,9 +6,10 @@ True})``). The wrapper calls ``forge::wgrad_update_`` through the dispatcher; bo
 and end bit-identical to the Python wrapper (same generated kernels, same fused op), and the fused path must really
 have run.
 
-On CUDA the tests keep the optimizer's step on the device (``fused=True``): with torch.optim's CPU step counters the
-C++ wrapper raced with the step's own counter update (torch 2.11, H100/H200), so compile_train_step declines it for
-such a graph (last test)."""
+On CUDA compile_train_step declines the C++ wrapper for a step whose GPU kernels read a step counter (on the CPU:
+torch.optim's, or forge's mirror of a fused optimizer's): the C++ wrapper raced with the step's own counter update
+(torch 2.11, H100/H200; the last tests). Its CUDA tests therefore train with SGD + momentum (no counter), the
+backend route's with AdamW(fused=True)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -29,9 +30,12 @@ def _batches(device):
             for _ in range(3)]
 
 
-def _adamw(params, device, **kw):
-    # on CUDA the device step counter (fused=True): the C++ wrapper is declined with CPU step counters (last test)
-    return torch.optim.AdamW(params, lr=1e-2, fused=device == "cuda", **kw)
+def _optimizer(params, device, route="step"):
+    """AdamW, except for compile_train_step on CUDA: SGD + momentum there, an optimizer without a step counter, so
+    that the C++ wrapper is not declined (test_cuda_cpp_wrapper_declined_with_cpu_step_counters)."""
+    if device == "cuda" and route == "step":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=device == "cuda")
 
 
 def _same(a, b, device):
@@ -54,7 +58,10 @@ def _train(route, cpp, device, opt_kw=None):
     torch._dynamo.reset()
     fb.clear_reports()
     model = _model(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **(opt_kw or {"fused": device == "cuda"}))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **opt_kw) if opt_kw is not None
+           else _optimizer(model.parameters(), device, route))
+    import forge_compile.capture as cap
+    declined = cap.counters["cpp_wrapper_declined"]
     step = mse_route_step(route, model, opt, {"cpp_wrapper": True} if cpp else {})
     fused_before = fb.counters["fused_backward"]
     losses = [step(x, y).item() for x, y in _batches(device)]
@@ -62,6 +69,8 @@ def _train(route, cpp, device, opt_kw=None):
     fused = sorted(r.name.split(".", 1)[-1] for r in rep.fused)
     if route == "backend":   # every step's backward took the fused variant
         assert fb.counters["fused_backward"] - fused_before == 3
+    if opt_kw is None:       # the C++ wrapper was not declined
+        assert cap.counters["cpp_wrapper_declined"] == declined
     return losses, [p.detach().clone() for p in model.parameters()], fused
 
 
@@ -109,7 +118,7 @@ def _train_cast(cpp, device):
     # compile_train_step(cast_weights_in_update=True) under bf16 autocast: the fused op's optional mutated argument
     # (cast_out) through the C++ wrapper's proxy call
     model = _model(device)
-    opt = _adamw(model.parameters(), device, weight_decay=0.1)
+    opt = _optimizer(model.parameters(), device)
 
     def body(x, y):
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -141,7 +150,7 @@ def test_cpp_wrapper_with_embedding_update(device, tmp_path, monkeypatch):
     def run(cpp):
         torch.manual_seed(0)
         m = TinyLM().to(device)
-        opt = _adamw(m.parameters(), device)
+        opt = _optimizer(m.parameters(), device)
 
         def body(x, y):
             loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
@@ -221,16 +230,18 @@ def test_cpu_counters_read_on_gpu_are_found():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_cpp_wrapper_declined_with_cpu_step_counters():
+@pytest.mark.parametrize("opt_kw", [{"foreach": True}, {"fused": True}], ids=["cpu_counter", "device_counter"])
+def test_cuda_cpp_wrapper_declined_with_cpu_step_counters(opt_kw):
     # torch.optim's default AdamW on CUDA keeps each step counter on the CPU; the unfused updates (the biases) read
     # it in GPU kernels. Under the C++ wrapper (torch 2.11, H100/H200) the kernels got the counter's host pointer and
     # read it after the host had advanced it: biases 3.4e-3 off the Python wrapper's from the second step on. The
-    # step compiles with the Python wrapper instead and says so
+    # step compiles with the Python wrapper instead and says so. fused=True keeps the counter on the device, but
+    # forge reads and advances a CPU mirror of it (optim/translate.py), which the biases' updates read: the same
     import forge_compile.capture as cap
 
-    losses_py, params_py, _ = _train("step", False, "cuda", opt_kw={"foreach": True})
+    losses_py, params_py, _ = _train("step", False, "cuda", opt_kw=opt_kw)
     declined = cap.counters["cpp_wrapper_declined"]
-    losses_cpp, params_cpp, _ = _train("step", True, "cuda", opt_kw={"foreach": True})
+    losses_cpp, params_cpp, _ = _train("step", True, "cuda", opt_kw=opt_kw)
     assert cap.counters["cpp_wrapper_declined"] == declined + 1
     assert any(n.startswith("cpp_wrapper not used for this graph") for n in _LAST_REPORT[0].notes)
     _same(losses_cpp, losses_py, "cuda")
@@ -243,11 +254,11 @@ def test_declined_cpp_wrapper_compiles_with_the_python_wrapper(tmp_path, monkeyp
     # the fused op in any C++ source), with the same result, and the report says why
     import forge_compile.capture as cap
 
-    losses_py, params_py, _ = _train("step", False, "cpu")
+    losses_py, params_py, _ = _train("step", False, "cpu", opt_kw={})
     monkeypatch.setattr(cap, "cpu_scalars_read_on_gpu", lambda gm: ["step"])
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     declined = cap.counters["cpp_wrapper_declined"]
-    losses, params, fused = _train("step", True, "cpu")
+    losses, params, fused = _train("step", True, "cpu", opt_kw={})   # opt_kw: AdamW, the decline not refused
     assert len(fused) == 3 and cap.counters["cpp_wrapper_declined"] == declined + 1
     assert not any(_calls(f.read_text(errors="replace"), "wgrad_update_") for f in tmp_path.rglob("*.cpp"))
     assert any(n.startswith("cpp_wrapper not used for this graph") for n in _LAST_REPORT[0].notes)
