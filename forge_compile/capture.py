@@ -36,7 +36,7 @@ from .optim.rule import decompose_apply_rule
 from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
-from .passes.remat_for_backward import remat_for_backward, weight_copies_kept
+from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, written_args
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
@@ -685,8 +685,8 @@ _CPP_WRAPPER_NOTE = ("cpp_wrapper not used for this graph: GPU kernels read {n} 
 
 
 def cpu_scalars_read_on_gpu(gm) -> list[str]:
-    """The placeholders of ``gm`` holding a 0-dim CPU tensor that the graph writes (``copy_`` into it) and whose value
-    reaches a tensor on another device, through any chain of CPU values."""
+    """The placeholders of ``gm`` holding a 0-dim CPU tensor that the graph writes (``copy_`` into it, or any op
+    whose schema writes it) and whose value reaches a tensor on another device, through any chain of CPU values."""
     hazards = []
     for ph in gm.graph.nodes:
         if ph.op != "placeholder":
@@ -694,7 +694,7 @@ def cpu_scalars_read_on_gpu(gm) -> list[str]:
         v = ph.meta.get("val")
         if not (isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"):
             continue
-        if not any(u.target is torch.ops.aten.copy_.default and u.args[0] is ph for u in ph.users):
+        if not any(ph in written_args(u) for u in ph.users):
             continue
         seen, todo = {ph}, [ph]
         while todo and ph.target not in hazards:

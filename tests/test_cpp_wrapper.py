@@ -212,7 +212,9 @@ def _graph(read_on_gpu=True, written=True, cuda=True):
     bc = node(aten.rsub.Scalar, (node(aten.pow.Scalar, (0.9, s), scalar), 1), scalar)
     if read_on_gpu:
         node(aten.copy_.default, (m, node(aten.div.Tensor, (m, bc), moment)), moment)
-    if written:
+    if written == "add_":
+        node(aten.add_.Tensor, (step, 1), scalar)
+    elif written:
         node(aten.copy_.default, (step, s), scalar)
     g.output(None)
     return torch.fx.GraphModule(torch.nn.Module(), g)
@@ -222,6 +224,7 @@ def test_cpu_counters_read_on_gpu_are_found():
     from forge_compile.capture import cpu_scalars_read_on_gpu
 
     assert cpu_scalars_read_on_gpu(_graph()) == ["step"]
+    assert cpu_scalars_read_on_gpu(_graph(written="add_")) == ["step"]     # written in place, not by copy_
     # the C++ wrapper passes the value of an unwritten CPU scalar (Inductor unwraps it), and CPU-only graphs and
     # counters no GPU kernel reads raced with nothing
     assert cpu_scalars_read_on_gpu(_graph(written=False)) == []
