@@ -178,6 +178,16 @@ def test_unfused_cases_are_left_alone_with_reasons():
     assert not rep.fused
     assert all("clip_grad_norm_" in r.reason for r in rep.rows if r.name.endswith("weight")), str(rep)
 
+    def accumulating_step(x, y):     # two backward passes into the same .grad before the update
+        losses = []
+        for xs, ys in ((x[:4], y[:4]), (x[4:], y[4:])):
+            losses.append(F.mse_loss(mlp(xs), ys)); losses[-1].backward()
+        opt2.step(); opt2.zero_grad(); return sum(losses)
+
+    rep = forge.explain(accumulating_step, *_mlp_batch())
+    assert not rep.fused
+    assert all("several backward passes" in r.reason for r in rep.rows if r.name.endswith("weight")), str(rep)
+
     def read_after_step(x, y):
         loss = F.mse_loss(mlp(x), y); loss.backward(); opt2.step(); opt2.zero_grad()
         return loss, mlp.fc1.weight.norm()

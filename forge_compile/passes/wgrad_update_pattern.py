@@ -107,6 +107,13 @@ def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
     return None
 
 
+def _from_matmul(node) -> bool:
+    """``node`` is a matmul's output, up to transposes, same-shape views and upcasts (the report's wording only)."""
+    while isinstance(node, fx.Node) and node.target in _TRANSPOSES | _IDENTITIES | _UPCASTS and node.args:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.target is aten.mm.default
+
+
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None), or the reason there is none."""
@@ -125,6 +132,9 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             why = _emb_reason(cur, transposed)
             return why if why else (cur, chain, False, None)
         if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
+            if cur.target is aten.add_.Tensor and any(_from_matmul(a) for a in cur.args[:2]):
+                return ("gradient sums several backward passes (accumulation inside the step): fusing it would keep "
+                        "each pass's dY and X until the last one; not supported")
             return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
