@@ -182,6 +182,8 @@ class _Compiled:
     table: torch.Tensor | None = None  # cuda_graphs: the scalar table, row r for plan ``table_plans[r]``
     table_plans: tuple = ()
     casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
+    grads_in: tuple = ()     # parameter indices whose incoming .grad the step reads (its last inputs)
+    grads_cleared: tuple = ()    # parameter indices whose incoming .grad the step drops (zero_grad() first)
 
 
 def _tensor_meta(t):
@@ -299,16 +301,15 @@ class CompiledTrainStep:
                         "of the step's modules holds; pass models=... explicitly")
             opt_plans.append((opt, plans))
             skeys.append(skey)
-        for p, n in zip(walk.params, walk.pnames):
-            if p.grad is not None:
-                raise ForgeCaptureError(
-                    f"forge: {n}.grad is set before the step; a fused step computes gradients itself. "
-                    "Call optimizer.zero_grad(set_to_none=True) before the first forge step.")
         return walk, opt_plans, tuple(skeys)
 
     # -- tracing ------------------------------------------------------------------------------------
-    def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs):
+    def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs, grads_in=()):
+        """``grads_in``: positions (in ``params``) of the parameters whose ``.grad`` is set when the step is called;
+        those gradients are the traced step's last inputs, so a step that zeroes gradients before its backward
+        (``opt.zero_grad()`` first, the other common idiom) or one that accumulates into them traces as it runs."""
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
+        n_g = len(grads_in)
         t_idx = [i for i, l in enumerate(leaves) if isinstance(l, torch.Tensor)]
         n_p, n_b = len(params), len(buffers)
         n_s = sum(len(s) for s in states)
@@ -320,12 +321,14 @@ class CompiledTrainStep:
         def step(*flat):
             tp = list(flat[:n_p]); tb = list(flat[n_p:n_p + n_b])
             ts_flat = flat[n_p + n_b:n_p + n_b + n_s]; th_flat = flat[n_p + n_b + n_s:n_p + n_b + n_s + n_h]
-            targs = list(flat[n_p + n_b + n_s + n_h:])
+            targs = list(flat[n_p + n_b + n_s + n_h:len(flat) - n_g])
             traced = {}
             for real, t in zip(params, tp):
                 if real.requires_grad:
                     t.requires_grad_()
                 traced[id(real)] = t
+            for i, g in zip(grads_in, flat[len(flat) - n_g:]):
+                tp[i].grad = g
             for real, t in zip(buffers, tb):
                 traced[id(real)] = t
             ts, th, i, j = [], [], 0, 0
@@ -385,9 +388,9 @@ class CompiledTrainStep:
         return step, t_idx, leaves, out_info
 
     def _build(self, key, modules, optimizers, params, pnames, buffers, plans, states, hparams, flat,
-               args, kwargs):
+               args, kwargs, grads_in=()):
         step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
-                                                    hparams, args, kwargs)
+                                                    hparams, args, kwargs, grads_in)
         try:
             with _no_scheduler_steps(), _no_hparam_writes(optimizers):
                 gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
@@ -398,6 +401,13 @@ class CompiledTrainStep:
                 f"forge: could not capture the train step as one graph ({type(e).__name__}: {e}). "
                 "The step must be traceable: no .item()/float(tensor)/data-dependent Python control flow, "
                 "and no lr-scheduler.step() inside it.") from e
+        # an incoming gradient the step never reads (it zeroes gradients first) is no input of the compiled step
+        grad_phs = [n for n in gm.graph.nodes if n.op == "placeholder"][len(flat) - len(grads_in):]
+        out_info["grads_in"] = tuple(i for i, ph in zip(grads_in, grad_phs) if ph.users)
+        for ph in grad_phs:
+            if not ph.users:
+                gm.graph.erase_node(ph)
+        gm.recompile()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
@@ -407,7 +417,7 @@ class CompiledTrainStep:
         report = FusionReport(decisions, graph="train_step")
         out_info["casts"] = ()
         if self._cast_weights:
-            n_pre = len(flat) - len(t_idx)      # the step's tensor arguments come last
+            n_pre = len(flat) - len(t_idx) - len(grads_in)    # the step's tensor arguments (and gradients) come last
             first_arg = placeholders[n_pre] if n_pre < len(placeholders) else None
             casts = cast_weights_in_update(gm, names, first_arg)
             index = {ph: i for i, ph in enumerate(placeholders[:len(params)])}
@@ -474,9 +484,9 @@ class CompiledTrainStep:
         walk, opt_plans, skeys = self._inputs(modules, optimizers)
         return modules, optimizers, walk, opt_plans, skeys
 
-    def _key(self, walk, skeys, states, leaves, spec):
+    def _key(self, walk, skeys, states, leaves, spec, grads_in=()):
         leaf_key = tuple(_tensor_meta(l) if isinstance(l, torch.Tensor) else ("V", type(l), l) for l in leaves)
-        return (
+        return (grads_in, _metas([walk.params[i].grad for i in grads_in]) if grads_in else (),
             str(spec), leaf_key,
             tuple([id(p) for p in walk.params]), _metas(walk.params), _metas(walk.buffers),
             skeys,
@@ -509,7 +519,8 @@ class CompiledTrainStep:
         modules, optimizers, walk, opt_plans, skeys = self._prepare()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         states, hparams = self._state_and_hparams(opt_plans)
-        key = self._key(walk, skeys, states, leaves, spec)
+        grads_in = tuple([i for i, p in enumerate(walk.params) if p.grad is not None])
+        key = self._key(walk, skeys, states, leaves, spec, grads_in)
         entry = self._cache.get(key)
         if entry is None:
             # A graph is about to be traced: read every state the slow way first. prepare_states checks
@@ -518,50 +529,31 @@ class CompiledTrainStep:
             # metas of parameters and states are all that check looks at -- equals the key of a graph
             # traced right after such a full read.
             states, hparams = self._state_and_hparams(opt_plans, force=True)
-            key = self._key(walk, skeys, states, leaves, spec)
+            key = self._key(walk, skeys, states, leaves, spec, grads_in)
             entry = self._cache.get(key)
         plans = [(opt, pl) for opt, pls in opt_plans for pl in pls]
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
         pre = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
                + [s for ss in states for s in ss] + [h for hh in hparams for h in hh])
-        flat = pre + arg_tensors
         if entry is None:
             gm, report, out_info = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
-                                               plans, states, hparams, flat, args, kwargs)
-            # the graph's inputs: the weight copies go between the hyper-parameters and the tensor arguments
-            flat = pre + weight_casts(walk.params, out_info["casts"]) + arg_tensors
-            table = None
-            if out_info["table"] is None:
-                gm = _decompose_remaining_updates(gm, flat)
-            else:    # every update reads the table: nothing left to decompose
-                table_plans, width = out_info["table"]
-                table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
-            _compat.reset_reinplace_counters()
-            # the user's Inductor options first, forge's required settings over them; buffers freed at their last
-            # use where that costs no host time (a replayed graph) or memory was asked for, unless the user chose
-            free = (table is not None or self._recompute_weight_copies) and "allow_buffer_reuse" not in self._options
-            options = self._options
-            if options.get("cpp_wrapper") and (hazards := cpu_scalars_read_on_gpu(gm)):
-                options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
-                report.notes.append(_CPP_WRAPPER_NOTE.format(n=len(hazards)))
-                log.warning("forge: %s", report.notes[-1])
-                counters["cpp_wrapper_declined"] += 1
-            with _compat.inductor_config_patch(options), _compat.inductor_config_for_forge(free):
-                compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
-            report.notes.extend(_clone_notes())
-            entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
-                              casts=out_info["casts"])
-            if table is not None:
-                n_static = len(flat) - len(arg_tensors)
-                entry.graph = StepGraph(compiled, range(n_static, len(flat)))
-                entry.table, entry.table_plans = table, tuple(table_plans)
-            self._cache[key] = entry
-            self.compile_count += 1
-            counters["compiles"] += 1
-            log.info("forge: compiled train step\n%s", report)
+                                               plans, states, hparams,
+                                               pre + arg_tensors + [walk.params[i].grad for i in grads_in],
+                                               args, kwargs, grads_in)
+            cleared = tuple(i for i in grads_in if not any(walk.params[i] is p for p in out_info["grad_params"]))
+            # the step reads none of the incoming gradients (it zeroes them first): the graph is the one compiled
+            # for the same call without them, if there is one -- the second step of that idiom compiles nothing
+            same = (self._cache.get(self._key(walk, skeys, states, leaves, spec))
+                    if grads_in and not out_info["grads_in"] else None)
+            if same is not None and [id(p) for p in same.grad_params] == [id(p) for p in out_info["grad_params"]]:
+                entry = dataclasses.replace(same, grads_cleared=cleared, report=report)
+                self._cache[key] = entry
+                counters["compiles_reused"] += 1
+            else:
+                entry = self._compile(key, gm, report, out_info, walk, pre, arg_tensors, grads_in)
         self.last_report = entry.report
-        if entry.casts:
-            flat = pre + weight_casts(walk.params, entry.casts) + arg_tensors
+        arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in entry.grads_in]
+        flat = pre + (weight_casts(walk.params, entry.casts) if entry.casts else []) + arg_tensors
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
@@ -571,11 +563,52 @@ class CompiledTrainStep:
         if entry.casts:
             note_weight_casts_current(walk.params, entry.casts)
         outs = list(outs)
+        for i in entry.grads_cleared:
+            walk.params[i].grad = None
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
             p.grad = g
         for opt in optimizers:
             _compat.mark_optimizer_stepped(opt)
         return pytree.tree_unflatten(outs[:entry.n_user_out], entry.out_spec)
+
+    def _compile(self, key, gm, report, out_info, walk, pre, arg_tensors, grads_in):
+        """Inductor-compile a built step graph into the cache entry for ``key``."""
+        # the graph's inputs: the weight copies go between the hyper-parameters and the tensor arguments, the
+        # incoming gradients the step reads after those
+        arg_tensors = arg_tensors + [walk.params[i].grad for i in out_info["grads_in"]]
+        flat = pre + weight_casts(walk.params, out_info["casts"]) + arg_tensors
+        table = None
+        if out_info["table"] is None:
+            gm = _decompose_remaining_updates(gm, flat)
+        else:    # every update reads the table: nothing left to decompose
+            table_plans, width = out_info["table"]
+            table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
+        _compat.reset_reinplace_counters()
+        # the user's Inductor options first, forge's required settings over them; buffers freed at their last
+        # use where that costs no host time (a replayed graph) or memory was asked for, unless the user chose
+        free = (table is not None or self._recompute_weight_copies) and "allow_buffer_reuse" not in self._options
+        options = self._options
+        if options.get("cpp_wrapper") and (hazards := cpu_scalars_read_on_gpu(gm)):
+            options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
+            report.notes.append(_CPP_WRAPPER_NOTE.format(n=len(hazards)))
+            log.warning("forge: %s", report.notes[-1])
+            counters["cpp_wrapper_declined"] += 1
+        with _compat.inductor_config_patch(options), _compat.inductor_config_for_forge(free):
+            compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
+        report.notes.extend(_clone_notes())
+        entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
+                          casts=out_info["casts"], grads_in=out_info["grads_in"],
+                          grads_cleared=tuple(i for i in grads_in
+                                              if not any(walk.params[i] is p for p in out_info["grad_params"])))
+        if table is not None:
+            n_static = len(flat) - len(arg_tensors)
+            entry.graph = StepGraph(compiled, range(n_static, len(flat)))
+            entry.table, entry.table_plans = table, tuple(table_plans)
+        self._cache[key] = entry
+        self.compile_count += 1
+        counters["compiles"] += 1
+        log.info("forge: compiled train step\n%s", report)
+        return entry
 
     def explain(self, *args, **kwargs) -> FusionReport:
         """Capture and rewrite the step for these inputs without running it or changing any tensor."""
@@ -587,12 +620,13 @@ class CompiledTrainStep:
             states = [prepare_states(opt, pl) for opt, pl in plans]
             hparams = [HparamTensors().update(hparam_values(opt, pl)) for opt, pl in plans]
             leaves, spec = pytree.tree_flatten((args, kwargs))
+            grads_in = tuple([i for i, p in enumerate(walk.params) if p.grad is not None])
             flat = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
                     + [s for ss in states for s in ss] + [h for hh in hparams for h in hh]
-                    + [l for l in leaves if isinstance(l, torch.Tensor)])
-            key = self._key(walk, skeys, states, leaves, spec)
+                    + [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in grads_in])
+            key = self._key(walk, skeys, states, leaves, spec, grads_in)
             _, report, _ = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
-                                       plans, states, hparams, flat, args, kwargs)
+                                       plans, states, hparams, flat, args, kwargs, grads_in)
         finally:
             discard_step_mirrors()
             for opt, p, existed in had:

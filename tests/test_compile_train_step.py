@@ -634,3 +634,72 @@ def test_hyper_parameter_written_inside_the_step_is_refused_and_put_back(how):
         step(*_mlp_batch())
     assert opt.param_groups[0] is held and held["lr"] == 1e-2
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_before_backward_trains_like_eager(set_to_none):
+    # the other common idiom: gradients zeroed at the step's start, so after it .grad holds the step's gradients,
+    # as in eager. Its second call used to fail ("grad is set before the step"); it trains exactly, its weights
+    # unfused (the gradients outlive the step), and the step compiles once
+    def make_step(model, opt):
+        def step(x, y):
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); return loss
+        return step
+
+    model = MLP(); ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+    fstep, rstep = forge.compile_train_step(make_step(model, opt)), make_step(ref, ref_opt)
+    for _ in range(4):
+        x, y = _mlp_batch()
+        torch.testing.assert_close(fstep(x, y), rstep(x, y).detach(), rtol=RTOL, atol=ATOL)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}.grad: {m}")
+    _assert_same_training(model, opt, ref, ref_opt, "zero_grad first")
+    assert fstep.compile_count == 1
+    row = fstep.last_report.row("model.fc1.weight")
+    assert not row.fused and "outlives the step" in row.reason, str(fstep.last_report)
+
+
+def test_gradient_accumulation_over_calls_trains_like_eager():
+    # a compiled forward+backward step called between updates: the update step reads the gradients the earlier
+    # calls left in .grad (unfused: fusing would need dW), and every step matches eager
+    def make_steps(model, opt):
+        def accumulate(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward(); return loss
+
+        def update(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        return accumulate, update
+
+    model = MLP(); ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    fa, fu = make_steps(model, opt)
+    fa, fu = forge.compile_train_step(fa, models=[model], optimizers=[opt]), forge.compile_train_step(fu)
+    ra, ru = make_steps(ref, ref_opt)
+    for i in range(6):
+        x, y = _mlp_batch()
+        f, r = (fa, ra) if i % 3 < 2 else (fu, ru)
+        torch.testing.assert_close(f(x, y), r(x, y).detach(), rtol=RTOL, atol=ATOL)
+    _assert_same_training(model, opt, ref, ref_opt, "accumulation")
+    assert all(p.grad is None for p in model.parameters())
+    row = fu.last_report.row("model.fc1.weight")
+    assert not row.fused and "accumulates into the .grad set before the step" in row.reason, str(fu.last_report)
+
+
+def test_gradient_the_step_drops_is_cleared():
+    # a .grad set before the step on a parameter the step's backward never reaches: zero_grad() (set_to_none) in
+    # the step drops it, so after the step it is None, as in eager
+    model = MLP()
+    extra = nn.Linear(4, 4)
+    opt = torch.optim.SGD(list(model.parameters()) + list(extra.parameters()), lr=0.1)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); return loss
+
+    fstep = forge.compile_train_step(step, models=[model, extra])
+    fstep(*_mlp_batch())
+    extra.weight.grad = torch.ones_like(extra.weight)
+    fstep(*_mlp_batch())
+    assert extra.weight.grad is None and model.fc1.weight.grad is not None

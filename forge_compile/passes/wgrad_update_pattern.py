@@ -107,6 +107,12 @@ def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
     return None
 
 
+def _only_returned(node: fx.Node) -> bool:
+    """``node`` is a (detached) value the graph only returns: compile_train_step's ``.grad`` write-back."""
+    return (node.target in _IDENTITIES and bool(node.users)
+            and all(u.op == "output" for u in node.users))
+
+
 def _from_matmul(node) -> bool:
     """``node`` is a matmul's output, up to transposes, same-shape views and upcasts (the report's wording only)."""
     while isinstance(node, fx.Node) and node.target in _TRANSPOSES | _IDENTITIES | _UPCASTS and node.args:
@@ -123,6 +129,9 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
         if not isinstance(cur, fx.Node):
             return "gradient is not a graph value"
         others = [u for u in cur.users if u is not consumer]
+        if others and all(_only_returned(u) for u in others):
+            return ("gradient outlives the step (left in .grad -- opt.zero_grad() before backward instead of after "
+                    "opt.step() -- or returned); zero the gradients after the step to fuse it")
         if others:
             return (f"gradient is also read by {_describe_users(cur, consumer)} "
                     "(e.g. clip_grad_norm_ or a logged gradient norm)")
@@ -132,6 +141,10 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             why = _emb_reason(cur, transposed)
             return why if why else (cur, chain, False, None)
         if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
+            if cur.target is aten.add_.Tensor and any(isinstance(a, fx.Node) and a.op == "placeholder"
+                                                      for a in cur.args[:2]):
+                return ("gradient accumulates into the .grad set before the step (accumulation over calls); "
+                        "fusing it would need dW")
             if cur.target is aten.add_.Tensor and any(_from_matmul(a) for a in cur.args[:2]):
                 return ("gradient sums several backward passes (accumulation inside the step): fusing it would keep "
                         "each pass's dY and X until the last one; not supported")
