@@ -438,6 +438,11 @@ class CompiledTrainStep:
                                 "the backward")
         if not any(d.fused for d in decisions) and self._fuse and decisions:
             report.notes.append("no weight gradient could be fused; see the reasons above")
+            # the whole point of the tool is off for this step: say so where a user looks, not only in the report
+            weights = [d for d in decisions if not d.reason.startswith("not a matrix")]
+            if weights:
+                log.warning("forge: compile_train_step fused none of the step's %d weight updates (%s: %s); "
+                            "last_report has every reason", len(weights), weights[0].name, weights[0].reason)
         out_info["table"] = None
         if self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,

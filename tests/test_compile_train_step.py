@@ -637,7 +637,7 @@ def test_hyper_parameter_written_inside_the_step_is_refused_and_put_back(how):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_before_backward_trains_like_eager(set_to_none):
+def test_zero_grad_before_backward_trains_like_eager(set_to_none, caplog):
     # the other common idiom: gradients zeroed at the step's start, so after it .grad holds the step's gradients,
     # as in eager. Its second call used to fail ("grad is set before the step"); it trains exactly, its weights
     # unfused (the gradients outlive the step), and the step compiles once
@@ -659,6 +659,8 @@ def test_zero_grad_before_backward_trains_like_eager(set_to_none):
     assert fstep.compile_count == 1
     row = fstep.last_report.row("model.fc1.weight")
     assert not row.fused and "outlives the step" in row.reason, str(fstep.last_report)
+    # nothing fused is said as a warning, not only in the report
+    assert any("fused none of the step's 2 weight updates" in r.getMessage() for r in caplog.records)
 
 
 def test_gradient_accumulation_over_calls_trains_like_eager():
