@@ -135,6 +135,15 @@ def inductor_config_patch(patches):
         yield
 
 
+def inline_compiled_functions():
+    """While forge traces a step: a torch.compile'd module or function the step calls (``torch.compile(model)``) is
+    traced through as plain Python -- the whole step is compiled anyway -- instead of Dynamo refusing to run under
+    FX tracing ("Detected that you are using FX to symbolically trace a dynamo-optimized function")."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(error_on_nested_fx_trace=False)
+
+
 def compile_fx_inner(gm, example_inputs, **kwargs):
     """Inductor's compile_fx_inner. With ``cpp_wrapper=True`` it first applies the Triton settings the C++ wrapper
     needs (``store_cubin``, ...): compile_fx applies them only while it runs, and a backward compiled lazily at

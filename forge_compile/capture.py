@@ -392,7 +392,7 @@ class CompiledTrainStep:
         step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
                                                     hparams, args, kwargs, grads_in)
         try:
-            with _no_scheduler_steps(), _no_hparam_writes(optimizers):
+            with _no_scheduler_steps(), _no_hparam_writes(optimizers), _compat.inline_compiled_functions():
                 gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
         except ForgeCaptureError:
             raise

@@ -705,3 +705,25 @@ def test_gradient_the_step_drops_is_cleared():
     extra.weight.grad = torch.ones_like(extra.weight)
     fstep(*_mlp_batch())
     assert extra.weight.grad is None and model.fc1.weight.grad is not None
+
+
+def test_torch_compiled_model_and_loss_inside_the_step():
+    # torch.compile(model) (or a compiled loss) called by the step: traced through as plain Python -- the whole
+    # step is compiled anyway -- where Dynamo refused to run under forge's trace (a capture error before)
+    model = MLP(); ref = copy.deepcopy(model)
+    cmodel, closs = torch.compile(model), torch.compile(F.mse_loss)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(x, y):
+        loss = closs(cmodel(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    def rstep(x, y):
+        loss = F.mse_loss(ref(x), y); loss.backward(); ref_opt.step(); ref_opt.zero_grad(); return loss
+
+    fstep = forge.compile_train_step(step)
+    for _ in range(3):
+        x, y = _mlp_batch()
+        torch.testing.assert_close(fstep(x, y), rstep(x, y).detach(), rtol=RTOL, atol=ATOL)
+    _assert_same_training(model, opt, ref, ref_opt, "torch.compile inside")
+    assert [r.name for r in fstep.last_report.rows if r.fused] == ["cmodel._orig_mod.fc1.weight",
+                                                                   "cmodel._orig_mod.fc2.weight"]
