@@ -347,6 +347,12 @@ class CompiledTrainStep:
                         t = traced[id(pl.param)]
                         if t.grad is None:
                             continue       # torch.optim skips parameters without a gradient
+                        if t.grad.layout != torch.strided:
+                            # Inductor compiles dense tensors only: the step failed at run time, mid-update
+                            raise ForgeCaptureError(
+                                f"forge: a {t.grad.layout} gradient (e.g. nn.Embedding(sparse=True)) is not supported; "
+                                "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
+                                "without ever making its dense gradient")
                         torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name)
 
             def fake_zero_grad(opt, set_to_none=True):

@@ -727,3 +727,20 @@ def test_torch_compiled_model_and_loss_inside_the_step():
     _assert_same_training(model, opt, ref, ref_opt, "torch.compile inside")
     assert [r.name for r in fstep.last_report.rows if r.fused] == ["cmodel._orig_mod.fc1.weight",
                                                                    "cmodel._orig_mod.fc2.weight"]
+
+
+def test_sparse_gradients_are_refused_before_anything_changes():
+    # nn.Embedding(sparse=True): Inductor compiles dense tensors only, and the step failed at run time, mid-update
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    with pytest.raises(forge.ForgeCaptureError, match="sparse_coo gradient"):
+        step(torch.randint(0, 20, (2, 5)), torch.randn(2, 5, 4))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
