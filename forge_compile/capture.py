@@ -508,6 +508,20 @@ class CompiledTrainStep:
             torch.is_grad_enabled(), self._fuse,
         )
 
+    # what each component of ``_key`` is, for the recompilation warning
+    _KEY_PARTS = ("the parameters with a .grad set at the call", "those gradients' layouts",
+                  "the arguments' structure", "the arguments' shapes, strides or dtypes (or a non-tensor argument)",
+                  "the parameter objects", "the parameters' layouts", "the buffers' layouts",
+                  "the optimizers' structure", "the optimizer states' layouts", "train/eval mode",
+                  "CUDA autocast", "CUDA autocast dtype", "CPU autocast", "CPU autocast dtype", "grad mode", "fuse")
+
+    def _recompile_reason(self, key) -> str:
+        last = next(reversed(self._cache), None) if self._cache else None
+        if last is None:
+            return "first compile"
+        changed = [name for name, a, b in zip(self._KEY_PARTS, key, last) if a != b]
+        return ", ".join(changed) or "unknown"
+
     def _state_and_hparams(self, opt_plans, force=False):
         """Every plan's states and hyper-parameter tensors, in plan order, through the per-optimizer
         ``StateCache`` (the slow ``prepare_states``/``hparam_values`` only where the cache cannot vouch
@@ -584,6 +598,12 @@ class CompiledTrainStep:
 
     def _compile(self, key, gm, report, out_info, walk, pre, arg_tensors, grads_in):
         """Inductor-compile a built step graph into the cache entry for ``key``."""
+        if self.compile_count:
+            # a whole-step compile takes a minute on a real model: a step that keeps meeting new shapes (variable
+            # sequence lengths) should hear about it, as Dynamo's recompilation warnings say
+            log.warning("forge: compile_train_step compiles the step again (graph %d) because %s changed; every new "
+                        "combination compiles a new graph (pad batches to a few fixed shapes)",
+                        self.compile_count + 1, self._recompile_reason(key))
         # the graph's inputs: the weight copies go between the hyper-parameters and the tensor arguments, the
         # incoming gradients the step reads after those
         arg_tensors = arg_tensors + [walk.params[i].grad for i in out_info["grads_in"]]

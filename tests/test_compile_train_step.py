@@ -744,3 +744,22 @@ def test_sparse_gradients_are_refused_before_anything_changes():
         step(torch.randint(0, 20, (2, 5)), torch.randn(2, 5, 4))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_recompilation_is_warned_with_its_cause(caplog):
+    # each new input shape compiles the whole step again (a minute on a real model): said, with what changed
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    x, y = _mlp_batch()
+    step(x, y)
+    step(x, y)
+    assert not any("compiles the step again" in r.getMessage() for r in caplog.records)
+    step(x[:4], y[:4])
+    msgs = [r.getMessage() for r in caplog.records if "compiles the step again" in r.getMessage()]
+    assert len(msgs) == 1 and "(graph 2)" in msgs[0] and "the arguments' shapes" in msgs[0], msgs
+    assert step.compile_count == 2
