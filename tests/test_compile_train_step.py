@@ -763,3 +763,5 @@ def test_recompilation_is_warned_with_its_cause(caplog):
     msgs = [r.getMessage() for r in caplog.records if "compiles the step again" in r.getMessage()]
     assert len(msgs) == 1 and "(graph 2)" in msgs[0] and "the arguments' shapes" in msgs[0], msgs
     assert step.compile_count == 2
+    # every component of the cache key has its name in the warning's table
+    assert all(len(k) == len(step._KEY_PARTS) for k in step._cache)
