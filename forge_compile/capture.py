@@ -389,6 +389,8 @@ class CompiledTrainStep:
             out_info["spec"] = out_spec
             out_info["n"] = len(out_leaves)
             out_info["grad_params"] = [r for r, _ in grads]
+            # incoming gradients the step drops (zero_grad() first) and never sets again: None after it, as in eager
+            out_info["grads_cleared"] = tuple(i for i in grads_in if traced[id(params[i])].grad is None)
             return tuple(out_leaves) + tuple(g.detach() for _, g in grads)
 
         return step, t_idx, leaves, out_info
@@ -516,7 +518,7 @@ class CompiledTrainStep:
                   "CUDA autocast", "CUDA autocast dtype", "CPU autocast", "CPU autocast dtype", "grad mode", "fuse")
 
     def _recompile_reason(self, key) -> str:
-        last = next(reversed(self._cache), None) if self._cache else None
+        last = next(reversed(self._cache), None)
         if last is None:
             return "first compile"
         changed = [name for name, a, b in zip(self._KEY_PARTS, key, last) if a != b]
@@ -565,17 +567,16 @@ class CompiledTrainStep:
                                                plans, states, hparams,
                                                pre + arg_tensors + [walk.params[i].grad for i in grads_in],
                                                args, kwargs, grads_in)
-            cleared = tuple(i for i in grads_in if not any(walk.params[i] is p for p in out_info["grad_params"]))
             # the step reads none of the incoming gradients (it zeroes them first): the graph is the one compiled
             # for the same call without them, if there is one -- the second step of that idiom compiles nothing
             same = (self._cache.get(self._key(walk, skeys, states, leaves, spec))
                     if grads_in and not out_info["grads_in"] else None)
             if same is not None and [id(p) for p in same.grad_params] == [id(p) for p in out_info["grad_params"]]:
-                entry = dataclasses.replace(same, grads_cleared=cleared, report=report)
+                entry = dataclasses.replace(same, grads_cleared=out_info["grads_cleared"], report=report)
                 self._cache[key] = entry
                 counters["compiles_reused"] += 1
             else:
-                entry = self._compile(key, gm, report, out_info, walk, pre, arg_tensors, grads_in)
+                entry = self._compile(key, gm, report, out_info, walk, pre, arg_tensors)
         self.last_report = entry.report
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in entry.grads_in]
         flat = pre + (weight_casts(walk.params, entry.casts) if entry.casts else []) + arg_tensors
@@ -596,7 +597,7 @@ class CompiledTrainStep:
             _compat.mark_optimizer_stepped(opt)
         return pytree.tree_unflatten(outs[:entry.n_user_out], entry.out_spec)
 
-    def _compile(self, key, gm, report, out_info, walk, pre, arg_tensors, grads_in):
+    def _compile(self, key, gm, report, out_info, walk, pre, arg_tensors):
         """Inductor-compile a built step graph into the cache entry for ``key``."""
         if self.compile_count:
             # a whole-step compile takes a minute on a real model: a step that keeps meeting new shapes (variable
@@ -629,8 +630,7 @@ class CompiledTrainStep:
         report.notes.extend(_clone_notes())
         entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
                           casts=out_info["casts"], grads_in=out_info["grads_in"],
-                          grads_cleared=tuple(i for i in grads_in
-                                              if not any(walk.params[i] is p for p in out_info["grad_params"])))
+                          grads_cleared=out_info["grads_cleared"])
         if table is not None:
             n_static = len(flat) - len(arg_tensors)
             entry.graph = StepGraph(compiled, range(n_static, len(flat)))
@@ -761,17 +761,23 @@ def cpu_scalars_read_on_gpu(gm) -> list[str]:
             continue
         if not any(ph in written_args(u) for u in ph.users):
             continue
-        seen, todo = {ph}, [ph]
-        while todo and ph.target not in hazards:
-            for u in todo.pop().users:
-                vals = [x for x in pytree.tree_leaves(u.meta.get("val")) if isinstance(x, torch.Tensor)]
-                if any(x.device.type != "cpu" for x in vals):
-                    hazards.append(ph.target)
-                    break
-                if vals and u not in seen:
-                    seen.add(u)
-                    todo.append(u)
+        if _reaches_another_device(ph):
+            hazards.append(ph.target)
     return hazards
+
+
+def _reaches_another_device(node) -> bool:
+    """Some value computed from ``node`` through CPU tensors only is a tensor on another device."""
+    seen, todo = {node}, [node]
+    while todo:
+        for u in todo.pop().users:
+            vals = [x for x in pytree.tree_leaves(u.meta.get("val")) if isinstance(x, torch.Tensor)]
+            if any(x.device.type != "cpu" for x in vals):
+                return True
+            if vals and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _decompose_remaining_updates(gm, flat):
