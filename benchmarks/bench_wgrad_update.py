@@ -1,7 +1,7 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist|math|tf32|e2e|cast] [--plot PNG]
+                                                           splitovl|hoist|math|tf32|e2e|cast|l2pf|splittune] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -17,7 +17,9 @@ default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue a
 fused AdamW, bench_overlap.txt. "v12"/"v12b": v12 split configs; "splitovl" (split_overlap_sweep): where the split
 kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split; "math"
 (math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?);
-"tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on
+"tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on; "l2pf" (l2pf_sweep):
+the split kernel with its next tile's W/states prefetched into L2 (GConfig.l2pf) vs without; "splittune"
+(splittune_sweep): the split kernel's hoist / tile-order group / load eviction hint
 (set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
@@ -548,6 +550,65 @@ def hoist_sweep(args, log):
     return all_ok
 
 
+# (rule, N, K, Ms): where the split kernel is picked (AdamW above M=512, 2-array rules above 1024)
+L2PF_CASES = ([("adamw", 4096, 4096, (1024, 2048, 4096, 8192))]
+              + [("adamw", n, k, (1024, 2048, 4096)) for n, k in E2E_SHAPES] + [("sgdm", 4096, 4096, (2048, 4096))])
+
+
+def l2pf_sweep(args, log):
+    """bf16, one process (L2PF_CASES): unfused, the split kernel as picked, with GConfig.l2pf = 16 / 32 / 64 rows of
+    each half tile prefetched into L2 one tile ahead, and with hoist=True (all checked bit-exact vs eager on their
+    stored dW). split/best > 1: a variant gains. False when a check failed."""
+    cfgs = {"split": wg.split_config(), **{f"pf{r}": wg.split_config(l2pf=r) for r in (16, 32, 64)},
+            "split_h": wg.split_config(hoist=True), "pf32_h": wg.split_config(l2pf=32, hoist=True)}
+    return _split_variant_sweep(args, log, L2PF_CASES, cfgs)
+
+
+def splittune_sweep(args, log):
+    """As l2pf_sweep, for the split kernel's knobs besides the prefetch (stop 24): per-tile chunk bases (hoist), the
+    tile order's group (GROUP rows of tiles share their dY panels; 4 / 8 / 16) and evict_first on the W/state loads
+    only ("ld"; "first"/"cs" were 3-6 % slower in v12)."""
+    h = wg.split_config(hoist=True)
+    cfgs = {"split": wg.split_config(), "split_h": h, "h_g4": dataclasses.replace(h, group=4),
+            "h_g16": dataclasses.replace(h, group=16), "h_ld": wg.split_config(hoist=True, evict="ld"),
+            "g16": dataclasses.replace(wg.split_config(), group=16)}
+    return _split_variant_sweep(args, log, L2PF_CASES, cfgs)
+
+
+def _split_variant_sweep(args, log, cases, cfgs):
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    for kind, n, k, ms in cases:
+        for m in ms:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
+            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                     for c in cfgs.values())
+            all_ok &= ok
+            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+            t = {"unfused": bench(fn)}
+            t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
+            nst = 2 if kind == "adamw" else 1
+            t["floor"] = max(((8 + 8 * nst) * n * k + 2 * m * (n + k)) / BW, 2 * n * k * m / FLOPS) * 1e3
+            best = min(cfgs, key=t.get)
+            t["unf/best"] = t["unfused"] / t[best]
+            t["split/best"] = t["split"] / t[best]
+            rows.append((kind, n, k, m, t, best))
+            log(f"{kind} {n}x{k} M={m}: " + " | ".join(f"{a} {v:.4f}" for a, v in t.items())
+                + f" | best {best}" + ("" if ok else " | CHECK FAILED"))
+            del w, dy_t, x, st
+            torch.cuda.empty_cache()
+    keys = list(rows[0][4])
+    log("\n" + f"{'rule':>6} {'shape':>11} {'M':>5} " + " ".join(f"{a:>10}" for a in keys) + "  best")
+    for kind, n, k, m, t, best in rows:
+        log(f"{kind:>6} {f'{n}x{k}':>11} {m:>5} " + " ".join(f"{t[a]:>10.4f}" for a in keys) + f"  {best}")
+    return all_ok
+
+
 # (rule, N, K, Ms): AdamW on 4096x4096 and the e2e shapes; SGD-momentum where its pick for the copy is the smem
 # kernel instead of the TMA ring (M <= 1024, pick_for) and where it is the split kernel (2048)
 CAST_CASES = ([("adamw", n, k, (1024, 2048, 4096)) for n, k in [(4096, 4096)] + E2E_SHAPES]
@@ -825,7 +886,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
-                                                                 "math", "tf32", "e2e", "cast"])
+                                                                 "math", "tf32", "e2e", "cast", "l2pf",
+                                                                 "splittune"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -847,8 +909,9 @@ def main():
 
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
-    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast"):
-        ok = {"rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
+    if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast", "l2pf",
+                      "splittune"):
+        ok = {"l2pf": l2pf_sweep, "splittune": splittune_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
               "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")

@@ -56,7 +56,10 @@ def _specs(args):
 
     rules = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
     layouts = {"tma": wg.GConfig(), "smem": wg.smem_config(), "split": wg.split_config(),
-               "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config()}
+               "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config(),
+               **{f"split_pf{r}": wg.split_config(l2pf=r) for r in (16, 32, 64)},
+               "split_h_a6": wg.split_config(hoist=True, ahead=6), "split_h_a8": wg.split_config(hoist=True, ahead=8),
+               "split_h_ld": wg.split_config(hoist=True, evict="ld")}
     for rname in args.rules.split(","):
         for cname in filter(None, args.triton.split(",")):
             for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):

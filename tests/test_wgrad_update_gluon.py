@@ -542,7 +542,11 @@ SPLIT_LAYOUTS = {"split_r8a4s5": wg.split_config(), "split_r16a2s5": wg.split_co
                  # next tile at every tile's last chunk, 8 ahead at every chunk
                  "split_r8a4h": wg.split_config(hoist=True),
                  "split_r16a1h": wg.split_config(rows=16, ahead=1, hoist=True),
-                 "split_r8a8h": wg.split_config(ahead=8, hoist=True)}
+                 "split_r8a8h": wg.split_config(ahead=8, hoist=True),
+                 # the next tile's W/states prefetched into L2 (stop 24): 512 B rows in 2 / 4 / 8 pieces, clipped
+                 # at the ragged K, none past N or the last tile
+                 "split_r8a4pf64": wg.split_config(l2pf=64), "split_r8a4pf32h": wg.split_config(l2pf=32, hoist=True),
+                 "split_r8a1pf16s2": wg.split_config(l2pf=16, ahead=1, stages=2)}
 
 
 def test_split_layouts_fit():
@@ -567,7 +571,7 @@ def test_check_gconfig_refuses_split_combinations():
     for bad in (dict(epi_m=32), dict(epi_n=64), dict(ahead=0), dict(ahead=9), dict(epi_m=16, ahead=5),
                 dict(stages=1), dict(stages=6), dict(bmt=32, stages=11), dict(nring=2), dict(eout=1), dict(bn=64),
                 dict(maxnreg=136), dict(cregs=176), dict(evict="last"), dict(dw_tiles=3), dict(dw_tiles=2),
-                dict(dw_tiles=2, stages=4), dict(dw_tiles=0)):
+                dict(dw_tiles=2, stages=4), dict(dw_tiles=0), dict(l2pf=8), dict(l2pf=128), dict(l2pf=48)):
         with pytest.raises(ValueError):
             wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
 
@@ -579,7 +583,8 @@ def test_split_stream_off_is_a_split_only_diagnostic():
         for n_arrays in (2, 3, 4):
             assert wg.pick_gconfig(m, n_arrays).stream
     for cfg in (wg.smem_config(), wg.vec_config(), wg.gemm_config(), wg._pick_tma(256, 3)):
-        for bad in (dict(stream=False), dict(dw_tiles=2)) + (() if cfg.epi == "smem" else (dict(hoist=True),)):
+        for bad in (dict(stream=False), dict(dw_tiles=2), dict(l2pf=32)) + (() if cfg.epi == "smem" else
+                                                                            (dict(hoist=True),)):
             with pytest.raises(ValueError):
                 wg._check_gconfig(dataclasses.replace(cfg, **bad))
     # the L2 hints exist on the vector-load streams (smem, split) only
@@ -616,7 +621,8 @@ def test_render_split_every_rule(rule):
 
 # the vector-load epilogues (v10 "vec", v11 "smem", v12 "split"): the same exactness checks
 VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS, **SPLIT_LAYOUTS}
-VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config, "split": wg.split_config}
+VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config, "split": wg.split_config,
+                  "split_pf32": lambda: wg.split_config(l2pf=32)}
 
 
 @sm90

@@ -821,6 +821,38 @@ def _chunk_at(row0, col0, t, c, num_tiles, N, K, BK: gl.constexpr, R: gl.constex
 
 
 @gluon.jit
+def _l2_pf(ptrs, nbytes, ok):
+    # cp.async.bulk.prefetch.L2: nbytes (a multiple of 16, 16-byte aligned) from ptrs into L2, fire and forget --
+    # no register or smem holds the data, so the bytes in flight are not bounded by the epilogue's lookahead
+    return gl.inline_asm_elementwise(
+        "{{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }}",
+        "=r,l,r,r", [ptrs, nbytes, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _l2_prefetch(t, r0, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.constexpr, BK: gl.constexpr,
+                 GROUP: gl.constexpr, PF: gl.constexpr, BIG: gl.constexpr):
+    # GConfig.l2pf: rows r0 .. r0 + PF - 1 of tile t of W and the tensor states into L2, one 16 B-aligned piece
+    # of a row per thread of the warpgroup (PF * P = 128 pieces of BK * 4 / P bytes), clipped at K, none past N or
+    # past the last tile. Issued one tile ahead, while that tile's GEMM runs: the DRAM, otherwise idle during a
+    # GEMM, fills L2 for the epilogue's loads (NOTES_kernel.md "Stop 24")
+    P: gl.constexpr = 128 // PF
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [32 // P, P], [4, 1], [1, 0])
+    row0, col0 = _tile_base(t, num_tiles, num_n, num_k, BN, BK, GROUP)
+    rows = row0 + r0 + gl.arange(0, PF, layout=gl.SliceLayout(1, L))
+    cols = col0 + gl.arange(0, P, layout=gl.SliceLayout(0, L)) * (BK // P)
+    nb = gl.minimum(gl.maximum(K - cols, 0), BK // P) * 4
+    ok = ((rows < N) & (t < num_tiles))[:, None] & (nb > 0)[None, :]
+    if BIG:
+        offs = rows.to(gl.int64)[:, None] * K + cols[None, :]
+    else:
+        offs = rows[:, None] * K + cols[None, :]
+    nbs = gl.zeros([PF, P], gl.int32, L) + nb[None, :]
+    _l2_pf(w_ptr + offs, nbs, ok)
+{pf_states}
+
+
+@gluon.jit
 def _smem_step_at(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, dbase,
                   num_tiles, N, K, BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, L: gl.constexpr,
                   BIG: gl.constexpr, STORE_GRAD: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
@@ -989,7 +1021,8 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
 def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr):
+               ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
+               PF: gl.constexpr):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
@@ -999,12 +1032,18 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     nprog = gl.num_programs(0)
     ahead = _smem_ahead0(pid, H * CNT, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, R, AHEAD, GROUP, BIG,
                          LD_EV)
+    if PF > 0:
+        _l2_prefetch(pid, H * (BN // 2), w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, GROUP, PF, BIG)
     r = 0
     if HOIST:
         base = _tile_base(pid, num_tiles, num_n, num_k, BN, BK, GROUP)
     for t in range(pid, num_tiles, nprog):
         b = r % NDW
         mbarrier.wait(dw_bar.index(b), (r // NDW) & 1)
+        # the MMA warpgroup now runs the next tile's GEMM: its W/states go to L2 meanwhile
+        if PF > 0:
+            _l2_prefetch(t + nprog, H * (BN // 2), w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, GROUP,
+                         PF, BIG)
         # STREAM=False (overlap diagnostic): the tile is handed back untouched, so the MMA warpgroup's time with
         # its hand-offs but without the W/state traffic shows
         if STREAM:
@@ -1030,9 +1069,10 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
 def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr):
+                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
+                PF: gl.constexpr):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)
 
 
 @gluon.jit
@@ -1041,7 +1081,8 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
-                              HOIST: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              HOIST: gl.constexpr, PF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -1063,9 +1104,9 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
                       NDW)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -1217,6 +1258,7 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, ext
             extra_fn=_EXTRA_FN if extra else "", extra_add=_EXTRA_ADD if extra else "",
             extra_add_at=_EXTRA_ADD_AT if extra else "",
             smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
+            pf_states="\n".join(f"{i4}_l2_pf({s}_ptr + offs, nbs, ok)" for s in states),
             smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
                                    "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
         )
@@ -1340,11 +1382,13 @@ class GConfig:
     ahead: int = 1         # epi="smem": chunks of W/states loads in flight ahead of the math (1 or 2)
     evict: str = ""        # epi="smem": L2 hints of the W/state stream, which is touched once while the GEMM
     #                        re-reads its dY/X panels from L2 ("": none; "first": loads and stores evict_first;
-    #                        "cs": loads evict_first, stores .cs) -- v12, NOTES_kernel.md
+    #                        "cs": loads evict_first, stores .cs; "ld": loads evict_first only) -- v12, NOTES_kernel.md
     dw_tiles: int = 1      # epi="split": dW tiles the MMA warpgroup hands over in turn (2: it never waits for the
     #                        epilogue of the tile before, at the cost of GEMM stages; prepared, not measured)
     stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
     #                        without touching W/states (never picked; NOTES_kernel.md v12)
+    l2pf: int = 0          # epi="split": rows of each epilogue warpgroup's half tile prefetched into L2 (cp.async.bulk
+    #                        .prefetch) one tile ahead, while that tile's GEMM runs (0: none; 16, 32 or 64; stop 24)
     hoist: bool = False    # epi="smem"/"split": chunk addresses from per-tile row/column bases computed once per
     #                        tile (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not
     #                        measured)
@@ -1496,7 +1540,8 @@ def smem_ahead(cfg: GConfig, n_load: int) -> int:
 
 
 # GConfig.evict -> (load eviction_policy, store eviction_policy, store cache_modifier) of the smem epilogue
-_EVICT = {"": ("", "", ""), "first": ("evict_first", "evict_first", ""), "cs": ("evict_first", "", ".cs")}
+_EVICT = {"": ("", "", ""), "first": ("evict_first", "evict_first", ""), "cs": ("evict_first", "", ".cs"),
+          "ld": ("evict_first", "", "")}
 
 
 def smem_config(rows: int = 16, ahead: int = 2, stages: int = SMEM_STAGES, bmt: int = 64,
@@ -1519,7 +1564,8 @@ SPLIT_STAGES = 5
 
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
-                 eregs: int = 152, stream: bool = True, dw_tiles: int = 1, hoist: bool = False) -> GConfig:
+                 eregs: int = 152, stream: bool = True, dw_tiles: int = 1, hoist: bool = False,
+                 l2pf: int = 0) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1527,7 +1573,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
-                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist)
+                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist, l2pf=l2pf)
     _check_gconfig(cfg)
     return cfg
 
@@ -1563,6 +1609,8 @@ def _check_gconfig(cfg: GConfig):
     if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
         raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
                          "epi='split' only")
+    if cfg.l2pf and (cfg.epi != "split" or cfg.l2pf not in (16, 32, 64)):
+        raise ValueError(f"Gluon config {cfg}: l2pf (16, 32 or 64 rows per half tile) exists for epi='split' only")
     if cfg.hoist and cfg.epi not in ("smem", "split"):
         raise ValueError(f"Gluon config {cfg}: hoist exists for the smem chunk walks (epi='smem' / 'split') only")
     if cfg.evict and cfg.epi not in ("smem", "split"):
@@ -1833,7 +1881,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles)
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)
