@@ -567,11 +567,13 @@ def l2pf_sweep(args, log):
 def splittune_sweep(args, log):
     """As l2pf_sweep, for the split kernel's knobs besides the prefetch (stop 24): per-tile chunk bases (hoist), the
     tile order's group (GROUP rows of tiles share their dY panels; 4 / 8 / 16) and evict_first on the W/state loads
-    only ("ld"; "first"/"cs" were 3-6 % slower in v12)."""
+    only ("ld"; "first"/"cs" were 3-6 % slower in v12), and the L2 prefetch of the first tile only (h_pf64f: the
+    fill of grids with ~2 tiles per SM; the prefetch of every next tile lost, l2pf_sweep)."""
     h = wg.split_config(hoist=True)
     cfgs = {"split": wg.split_config(), "split_h": h, "h_g4": dataclasses.replace(h, group=4),
             "h_g16": dataclasses.replace(h, group=16), "h_ld": wg.split_config(hoist=True, evict="ld"),
-            "g16": dataclasses.replace(wg.split_config(), group=16)}
+            "g16": dataclasses.replace(wg.split_config(), group=16),
+            "h_pf64f": wg.split_config(hoist=True, l2pf=64, l2pf_first=True)}
     return _split_variant_sweep(args, log, L2PF_CASES, cfgs)
 
 

@@ -1022,7 +1022,7 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
-               PF: gl.constexpr):
+               PF: gl.constexpr, PF_NEXT: gl.constexpr):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
@@ -1040,8 +1040,9 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     for t in range(pid, num_tiles, nprog):
         b = r % NDW
         mbarrier.wait(dw_bar.index(b), (r // NDW) & 1)
-        # the MMA warpgroup now runs the next tile's GEMM: its W/states go to L2 meanwhile
-        if PF > 0:
+        # the MMA warpgroup now runs the next tile's GEMM: its W/states go to L2 meanwhile (PF_NEXT=False: only the
+        # first tile's, before the loop -- the fill of a grid with few tiles per SM)
+        if PF > 0 and PF_NEXT:
             _l2_prefetch(t + nprog, H * (BN // 2), w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN, BK, GROUP,
                          PF, BIG)
         # STREAM=False (overlap diagnostic): the tile is handed back untouched, so the MMA warpgroup's time with
@@ -1070,9 +1071,9 @@ def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_t
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                 ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
-                PF: gl.constexpr):
+                PF: gl.constexpr, PF_NEXT: gl.constexpr):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)
 
 
 @gluon.jit
@@ -1081,7 +1082,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               GROUP: gl.constexpr, STAGES: gl.constexpr, STORE_GRAD: gl.constexpr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
-                              HOIST: gl.constexpr, PF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              HOIST: gl.constexpr, PF: gl.constexpr, PF_NEXT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -1104,9 +1105,9 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
                       NDW)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
                         STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -1388,7 +1389,9 @@ class GConfig:
     stream: bool = True    # epi="split": False = overlap diagnostic, the epilogue warpgroups hand each dW tile back
     #                        without touching W/states (never picked; NOTES_kernel.md v12)
     l2pf: int = 0          # epi="split": rows of each epilogue warpgroup's half tile prefetched into L2 (cp.async.bulk
-    #                        .prefetch) one tile ahead, while that tile's GEMM runs (0: none; 16, 32 or 64; stop 24)
+    #                        .prefetch) one tile ahead, while that tile's GEMM runs (0: none; 16, 32 or 64; stop 24:
+    #                        slower, never picked)
+    l2pf_first: bool = False  # epi="split", l2pf > 0: only the first tile's rows, before the loop
     hoist: bool = False    # epi="smem"/"split": chunk addresses from per-tile row/column bases computed once per
     #                        tile (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not
     #                        measured)
@@ -1449,7 +1452,8 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
       exp_avg_sq) above M=512 and for 2 arrays (SGD-momentum, Lion) above M=1024: AdamW 4096x4096 M=1024/2048/
       4096/8192 4-6/11-13/10/7 % faster than the previous picks, lm_head 128256x4096 M=1024/4096 4/10 %,
       14336x4096 M=1024/8192 4/1 % (4096x14336 M=8192 2 % slower); SGD-momentum / Lion M=2048 11/9 %, 4096 6 %,
-      8192 -1/+4 %; at M <= 1024 the 2-array rules' TMA ring (8 slots) stayed 2-10 % faster;
+      8192 -1/+4 %; at M <= 1024 the 2-array rules' TMA ring (8 slots) stayed 2-10 % faster; up to M=2048 with
+      per-tile chunk bases (hoist, _SPLIT_HOIST_M);
     - v11's smem epilogue (dW through smem, two [16, 128] chunks of loads in flight) for 3 arrays at M <= 512:
       AdamW 4096x4096 M=64/256 0.1150/0.1206 ms vs the TMA ring's 0.1238/0.1300, the split kernel 0.1256 at 256;
     - else the TMA ring (``_pick_tma``); 4 or more arrays (dW stored, Adam-amsgrad) were not measured with the
@@ -1457,7 +1461,7 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     """
     cfg = None
     if m > _SPLIT_M.get(n_arrays, m):
-        cfg = split_config()
+        cfg = split_config(hoist=m <= _SPLIT_HOIST_M)
     elif n_arrays == 3:
         cfg = smem_config()
     # fp32 activations: neither fits its GEMM stages (the TMA ring's pick then runs fewer)
@@ -1468,6 +1472,10 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
 
 # arrays streamed -> the largest M that does NOT take the split kernel (pick_gconfig)
 _SPLIT_M = {3: 512, 2: 1024}
+# the largest M whose split kernel takes hoist=True: two H100 runs (stop 24, RESULTS.md "L2 prefetch of the next tile
+# and hoist", NOTES_kernel.md "Stop 24"): 1-3 % faster at M = 1024-2048 on 20 of 22 shape/M points (2048x2048 M=1024
+# up to 12 %), 1-7 % slower at M = 4096-8192
+_SPLIT_HOIST_M = 2048
 
 
 def _pick_tma(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
@@ -1493,11 +1501,18 @@ def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfi
     the other GEMM ring depth (3 or 4 stages, slots as many as fit) -- the one knob whose best value moved with M
     in every sweep (v4-v7); the chunk layouts and two rings lost everywhere and are not worth compiling. Where
     the pick is the smem epilogue (v11) or the split kernel (v12): it, then the TMA ring's pick (margins of
-    -2 to 13 %)."""
+    -2 to 13 %); for the split kernel then its variants that won somewhere in stop 24's H100 sweep (RESULTS.md
+    "split kernel knobs"): hoist toggled, hoist with evict_first loads (lm_head 32000x2048 M=1024-2048 3-7 %),
+    hoist with tile-order group 4 (K=2048 shapes 1-5 %)."""
     pick = pick_gconfig(m, n_arrays, act_bytes)
     base = _pick_tma(m, n_arrays, act_bytes)
     if pick is not None and pick.epi in ("smem", "split"):
-        return [pick] + ([base] if base is not None else [])
+        out = [pick] + ([base] if base is not None else [])
+        if pick.epi == "split":
+            h = dataclasses.replace(pick, hoist=True)
+            out += [c for c in (dataclasses.replace(pick, hoist=not pick.hoist), dataclasses.replace(h, evict="ld"),
+                                dataclasses.replace(h, group=4)) if c != pick]
+        return out
     if base is None:
         return []
     out = [base]
@@ -1565,7 +1580,7 @@ SPLIT_STAGES = 5
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
                  eregs: int = 152, stream: bool = True, dw_tiles: int = 1, hoist: bool = False,
-                 l2pf: int = 0) -> GConfig:
+                 l2pf: int = 0, l2pf_first: bool = False) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1573,7 +1588,8 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     setmaxnreg then gives each epilogue warpgroup ``eregs``, the loader's 24 and the MMA warpgroup the rest:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
-                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist, l2pf=l2pf)
+                  maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist, l2pf=l2pf,
+                  l2pf_first=l2pf_first)
     _check_gconfig(cfg)
     return cfg
 
@@ -1609,7 +1625,7 @@ def _check_gconfig(cfg: GConfig):
     if (not cfg.stream or cfg.dw_tiles != 1) and cfg.epi != "split":
         raise ValueError(f"Gluon config {cfg}: stream=False (the overlap diagnostic) and dw_tiles exist for "
                          "epi='split' only")
-    if cfg.l2pf and (cfg.epi != "split" or cfg.l2pf not in (16, 32, 64)):
+    if (cfg.l2pf or cfg.l2pf_first) and (cfg.epi != "split" or cfg.l2pf not in (16, 32, 64)):
         raise ValueError(f"Gluon config {cfg}: l2pf (16, 32 or 64 rows per half tile) exists for epi='split' only")
     if cfg.hoist and cfg.epi not in ("smem", "split"):
         raise ValueError(f"Gluon config {cfg}: hoist exists for the smem chunk walks (epi='smem' / 'split') only")
@@ -1785,6 +1801,9 @@ def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False
     if mode != SIDE_CAST and not extra:
         return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
     cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
+    if extra and cfg is not None and cfg.hoist:
+        # the tied rows with hoist: not measured, and AdamW's sm_90 compile spills 72 B instead of 16
+        cfg = dataclasses.replace(cfg, hoist=False)
     if cfg is not None and cfg.epi in (("smem", "split") if extra else POINTER_EPIS):
         return cfg
     cfg = smem_config()
@@ -1881,7 +1900,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf)
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)
