@@ -1,7 +1,8 @@
 """Fused wgrad+update (Triton) vs unfused (cuBLAS wgrad + torch's optimizer kernel), on one GPU.
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
-                                                           splitovl|hoist|math|tf32|e2e|cast|l2pf|splittune] [--plot PNG]
+                                                           splitovl|hoist|math|tf32|e2e|cast|l2pf|splittune|
+                                                           concurrent] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -19,7 +20,8 @@ kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GCon
 (math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?);
 "tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on; "l2pf" (l2pf_sweep):
 the split kernel with its next tile's W/states prefetched into L2 (GConfig.l2pf) vs without; "splittune"
-(splittune_sweep): the split kernel's hoist / tile-order group / load eviction hint
+(splittune_sweep): the split kernel's hoist / tile-order group / load eviction hint; "concurrent"
+(concurrent_sweep): the fused kernel on a side stream beside a dX GEMM vs the two in sequence
 (set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
@@ -611,6 +613,84 @@ def _split_variant_sweep(args, log, cases, cfgs):
     return all_ok
 
 
+# (N, K, M): the e2e model's shapes at its 2048 tokens, and 4096x4096
+CONCURRENT_CASES = [(2048, 2048, 2048), (5632, 2048, 2048), (2048, 5632, 2048), (4096, 4096, 2048)]
+
+
+def concurrent_sweep(args, log):
+    """Could the fused updates hide behind the backward's dX GEMMs (prepared in stop 24, NOT measured)? In a step
+    the fused wgrad+update of layer L only has to finish before the step ends, while the dX GEMM of the layer below
+    (compute-bound; the fused kernel leaves the tensor cores idle while it streams and DRAM 35-57 % idle while it
+    multiplies) runs on the same GPU right after it. Per case, AdamW bf16: the fused kernel (the default pick) alone,
+    a dX GEMM alone (dY [M, N] @ W' [N, K] in bf16, W' another layer's weight copy), both in sequence (what a step
+    runs today), and both concurrently -- the fused kernel on a side stream with its persistent grid capped at C
+    CTAs (132: all SMs, 96, 66), the GEMM on the current stream, joined. Checked first: W and the states after one
+    concurrent call are bitwise those after one sequential call from the same start. gain = seq / conc: > 1.1 at
+    some C says a side-stream schedule of the fused ops (events + record_stream, inside the CUDA graph) is worth
+    building; ~1.0 says the two contend for the same resources. False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    side = torch.cuda.Stream()
+    all_ok, rows = True, []
+    for n, k, m in CONCURRENT_CASES:
+        rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, n, k, m, seed=m)
+        w_other = torch.randn(n, k, device="cuda").bfloat16()
+        dy = dy_t.t()
+        dx = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        cfg = wg.pick_gconfig(m, 3, 2)
+
+        def fused_fn(ctas, w=w, st=st):
+            kernel, grid, kargs, opts = wg._prepare(w, dy_t, x, st, hp, rule, None, config=cfg, max_ctas=ctas)[:4]
+            return lambda: kernel[grid](*kargs, **opts)
+
+        def dgrad():
+            torch.mm(dy, w_other, out=dx)
+
+        def conc_fn(fused):
+            def run():
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fused()
+                dgrad()
+                torch.cuda.current_stream().wait_stream(side)
+            return run
+
+        # exactness: one concurrent call (66 CTAs) vs one sequential call, from the same W/states
+        w0, st0 = w.clone(), [s.clone() for s in st]
+        fused_fn(132)()
+        dgrad()
+        torch.cuda.synchronize()
+        w_seq, st_seq = w.clone(), [s.clone() for s in st]
+        w.copy_(w0)
+        for s, s0 in zip(st, st0):
+            s.copy_(s0)
+        conc_fn(fused_fn(66))()
+        torch.cuda.synchronize()
+        ok = torch.equal(w, w_seq) and all(torch.equal(a, b) for a, b in zip(st, st_seq))
+        all_ok &= ok
+        full = fused_fn(132)
+        t = {"fused": bench(full), "dgrad": bench(dgrad)}
+        t["seq"] = bench(lambda: (full(), dgrad()))
+        for c in (132, 96, 66):
+            t[f"conc{c}"] = bench(conc_fn(fused_fn(c)))
+        best = min((f"conc{c}" for c in (132, 96, 66)), key=t.get)
+        t["seq/best"] = t["seq"] / t[best]
+        t["ideal"] = max(t["fused"], t["dgrad"])
+        rows.append((n, k, m, t, best))
+        log(f"adamw {n}x{k} M={m} ({cfg.epi}): " + " | ".join(f"{a} {v:.4f}" for a, v in t.items())
+            + f" | best {best}" + ("" if ok else " | CHECK FAILED"))
+        del w, dy_t, x, st, w_other, dx
+        torch.cuda.empty_cache()
+    keys = list(rows[0][3])
+    log("\n" + f"{'shape':>11} {'M':>5} " + " ".join(f"{a:>9}" for a in keys) + "  best")
+    for n, k, m, t, best in rows:
+        log(f"{f'{n}x{k}':>11} {m:>5} " + " ".join(f"{t[a]:>9.4f}" for a in keys) + f"  {best}")
+    return all_ok
+
+
 # (rule, N, K, Ms): AdamW on 4096x4096 and the e2e shapes; SGD-momentum where its pick for the copy is the smem
 # kernel instead of the TMA ring (M <= 1024, pick_for) and where it is the split kernel (2048)
 CAST_CASES = ([("adamw", n, k, (1024, 2048, 4096)) for n, k in [(4096, 4096)] + E2E_SHAPES]
@@ -889,7 +969,7 @@ def main():
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
                                                                  "math", "tf32", "e2e", "cast", "l2pf",
-                                                                 "splittune"])
+                                                                 "splittune", "concurrent"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -912,8 +992,8 @@ def main():
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
     if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast", "l2pf",
-                      "splittune"):
-        ok = {"l2pf": l2pf_sweep, "splittune": splittune_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
+                      "splittune", "concurrent"):
+        ok = {"l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
               "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")
