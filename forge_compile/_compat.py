@@ -208,6 +208,17 @@ def will_accumulate(acc_node) -> bool:
         return False
 
 
+def gradient_hooks(t) -> list:
+    """The hooks autograd calls with ``t``'s gradient -- ``Tensor.register_hook`` and
+    ``register_post_accumulate_grad_hook`` ones (private dicts, the same in torch 2.11-2.13) -- less forge's own
+    (marked ``_forge_internal``). Two attribute reads when there are none (~0.1 us each)."""
+    out = []
+    for d in (t._backward_hooks, t._post_accumulate_grad_hooks):
+        if d:
+            out.extend(h for h in d.values() if not getattr(h, "_forge_internal", False))
+    return out
+
+
 def foreach_copy_(dst: list, src: list) -> None:
     """``d.copy_(s)`` for each pair, as one multi-tensor kernel where the tensors share device and dtype."""
     torch._foreach_copy_(dst, src)

@@ -155,6 +155,7 @@ def _late_gradient_hook(tracker: _StepTracker, name: str):
                 "used outside the compiled model, e.g. an eager regularizer or a tied weight). This "
                 "step's update of it is wrong. Compute every use of a fused weight inside the compiled "
                 "model, or compile without options={'optimizer': ...}.")
+    hook._forge_internal = True     # not a user's gradient hook (_compat.gradient_hooks)
     return hook
 
 
@@ -701,6 +702,12 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
         for p in fused_params:
             if p.grad is not None:
                 return ".grad of a fused weight is already set (a gradient accumulated before this backward)"
+        for p in fused_params:
+            if _compat.gradient_hooks(p):
+                # a fused update makes no gradient: the hook would get None (or never run) after the weight
+                # had already changed; unfused, autograd hands it the gradient and opt.step() applies the result
+                return ("a fused weight has a gradient hook (Tensor.register_hook / "
+                        "register_post_accumulate_grad_hook), which must see its gradient")
         return None
 
     def run_unfused(args, why, to_grad):

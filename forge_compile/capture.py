@@ -495,6 +495,17 @@ class CompiledTrainStep:
     def _prepare(self):
         modules, optimizers = self._targets()
         walk, opt_plans, skeys = self._inputs(modules, optimizers)
+        # checked at every call, before anything runs: a hook registered after the step compiled counts too
+        hooked = [n for p, n in zip(walk.params, walk.pnames) if p.requires_grad and _compat.gradient_hooks(p)]
+        if hooked:
+            raise ForgeCaptureError(
+                f"forge: compile_train_step cannot run the gradient hooks registered on {len(hooked)} parameter(s) "
+                f"({', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''}; Tensor.register_hook / "
+                "register_post_accumulate_grad_hook): the whole step, backward included, is one compiled graph and "
+                "no autograd engine calls them, so they would be skipped silently. Nothing was changed. Do what the "
+                "hook does inside the step, between loss.backward() and opt.step() (e.g. p.grad.mul_(...): traced, "
+                "those parameters then stay unfused), remove the hooks, or use torch.compile(model, "
+                "backend='forge', options={'optimizer': opt}), which runs them (the hooked weights unfused).")
         return modules, optimizers, walk, opt_plans, skeys
 
     def _key(self, walk, skeys, states, leaves, spec, grads_in=()):

@@ -430,6 +430,41 @@ def test_grad_already_set_runs_unfused():
     _assert_same(model, opt, ref, ref_opt, "grad already set")
 
 
+def _halve_grad(p):
+    p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("kind", ["scale", "post_accumulate", "log"])
+def test_gradient_hooks_on_fused_weights_run_on_their_gradients(kind):
+    # a fused update makes no gradient: a hook on a fused weight got None after the weight had changed (TypeError in
+    # the user's hook). Now such a backward runs unfused: the hooks see the gradients eager torch gives them and
+    # opt.step() applies what they leave; SGD, not Adam, whose update hardly moves with a gradient's scale
+    torch.manual_seed(0)
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref.parameters())
+    seen = {"forge": [], "eager": []}
+    for m, tag in ((model, "forge"), (ref, "eager")):
+        if kind == "scale":
+            m.fc2.weight.register_hook(lambda g: g * 2)
+        elif kind == "post_accumulate":
+            m.fc3.weight.register_post_accumulate_grad_hook(_halve_grad)
+        else:
+            m.fc2.weight.register_hook(lambda g, _t=tag: seen[_t].append(float(g.norm())))
+    cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
+    before = fb.counters["unfused_backward"]
+    for x, y in _mlp_batches(4):
+        for m, o in ((cmodel, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    _assert_same(model, opt, ref, ref_opt, f"gradient hook {kind}")
+    assert fb.counters["unfused_backward"] - before == 4
+    if kind == "log":
+        assert len(seen["forge"]) == 4
+        torch.testing.assert_close(seen["forge"], seen["eager"], rtol=RTOL, atol=ATOL)
+
+
 def test_state_is_cached_but_follows_load_state_dict(count_slow_reads):
     model = DeepMLP()
     ref = copy.deepcopy(model)

@@ -746,6 +746,67 @@ def test_sparse_gradients_are_refused_before_anything_changes():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _halve_grad(p):
+    p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("kind", ["tensor_hook", "post_accumulate_hook", "registered_later"])
+def test_gradient_hooks_on_parameters_are_refused_before_anything_changes(kind):
+    # the whole step is one graph with no autograd engine to call a parameter's gradient hooks: they were skipped
+    # silently (a g * 2 hook on a weight changed nothing, a logging hook never ran); now a clear error, every call
+    # (a hook registered after the step compiled too), nothing touched
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    def hook():
+        if kind == "post_accumulate_hook":
+            return model.fc1.bias.register_post_accumulate_grad_hook(_halve_grad)
+        return model.fc2.weight.register_hook(lambda g: g * 2)
+
+    x, y = _mlp_batch()
+    if kind == "registered_later":
+        step(x, y)
+    handle = hook()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v["momentum_buffer"].clone() for k, v in opt.state.items()}
+    with pytest.raises(forge.ForgeCaptureError, match="gradient hooks registered on 1 parameter.*"
+                                                      + ("fc1.bias" if kind == "post_accumulate_hook" else "fc2.weight")):
+        step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(opt.state[k]["momentum_buffer"], v) for k, v in state.items())
+    with pytest.raises(forge.ForgeCaptureError, match="gradient hooks"):
+        forge.explain(step, x, y)
+    # without the hook the step runs (and as eager torch does)
+    handle.remove()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))      # load_state_dict would share the buffers
+    step(x, y)
+    F.mse_loss(ref(x), y).backward(); ref_opt.step(); ref_opt.zero_grad()
+    _assert_same_training(model, opt, ref, ref_opt, "after the hook's removal")
+
+
+def test_hooks_on_frozen_parameters_are_no_obstacle():
+    # a parameter without requires_grad gets no gradient, so its hooks never run: nothing to refuse
+    model = MLP()
+    model.fc1.weight.register_hook(lambda g: g * 2)       # torch takes hooks on tensors that require grad only
+    model.fc1.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step(*_mlp_batch())
+    assert step.compile_count == 1
+
+
 def test_recompilation_is_warned_with_its_cause(caplog):
     # each new input shape compiles the whole step again (a minute on a real model): said, with what changed
     model = MLP()
