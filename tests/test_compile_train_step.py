@@ -807,6 +807,31 @@ def test_hooks_on_frozen_parameters_are_no_obstacle():
     assert step.compile_count == 1
 
 
+def test_weight_norm_parametrization_trains_as_eager():
+    # nn.utils.parametrizations.weight_norm: the weight's gradient reaches its originals through the weight-norm
+    # backward's multi-output node (operator.getitem in the graph), which made the pattern walk raise IndexError;
+    # now those parameters are unfused with the reason and the rest fused, exact
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(16, 32)), nn.GELU(), nn.Linear(32, 8))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    for _ in range(3):
+        x, y = _mlp_batch()
+        step(x, y)
+        F.mse_loss(ref(x), y).backward(); ref_opt.step(); ref_opt.zero_grad()
+    _assert_same_training(model, opt, ref, ref_opt, "weight_norm")
+    rows = {r.name: r for r in step.last_report.rows}
+    assert rows["model.2.weight"].fused
+    orig = [r for n, r in rows.items() if "parametrizations" in n]
+    assert orig and not any(r.fused for r in orig) and all(r.reason for r in orig)
+
+
 def test_recompilation_is_warned_with_its_cause(caplog):
     # each new input shape compiles the whole step again (a minute on a real model): said, with what changed
     model = MLP()

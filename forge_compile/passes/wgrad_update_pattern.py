@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .._compat import OpOverload, op_schema
+from .._compat import OpOverload, op_overload_name, op_schema
 from ..optim.rule import get_rule
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,12 @@ def _from_matmul(node) -> bool:
     return isinstance(node, fx.Node) and node.target is aten.mm.default
 
 
+def _in_place(target) -> bool:
+    # an op whose name ends in "_" (aten.add_, forge.apply_rule_); Python callables in the graph (operator.getitem
+    # of a multi-output backward, e.g. weight_norm's) are not ops and are never in place
+    return isinstance(target, OpOverload) and op_overload_name(target)[0].endswith("_")
+
+
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None), or the reason there is none."""
@@ -140,7 +146,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
         if embeddings and cur.target is _EMB_BACKWARD:
             why = _emb_reason(cur, transposed)
             return why if why else (cur, chain, False, None)
-        if cur.op == "call_function" and str(cur.target).split(".")[-2].endswith("_") and cur.target not in _UPCASTS:
+        if cur.op == "call_function" and _in_place(cur.target) and cur.target not in _UPCASTS:
             if cur.target is aten.add_.Tensor and any(isinstance(a, fx.Node) and a.op == "placeholder"
                                                       for a in cur.args[:2]):
                 return ("gradient accumulates into the .grad set before the step (accumulation over calls); "
