@@ -30,8 +30,10 @@ Semantics that change because the update happens inside backward, and what the r
   backward never ran, e.g. evaluation with grad enabled, costs at most one unfused step);
 - a second backward over fused parameters that an earlier backward already updated in place, before
   ``opt.step()`` (gradient accumulation), raises before touching them;
-- cannot be detected: ``clip_grad_norm_``/GradScaler unscaling/gradient logging/DDP hooks never see
-  fused gradients (``.grad`` is None); ``torch.autograd.grad`` over a fused parameter updates it.
+- ``clip_grad_norm_`` / ``clip_grad_value_`` / GradScaler unscaling over a weight already updated this step
+  raise (``_guard_gradient_readers``), after its update; gradient hooks on a fused weight make its backward run
+  unfused; cannot be detected: gradient logging from ``.grad`` and DDP's own autograd hooks never see fused
+  gradients (``.grad`` is None).
 """
 from __future__ import annotations
 
@@ -180,7 +182,78 @@ def _tracker(opt) -> _StepTracker:
     t = _TRACKERS.get(opt)
     if t is None:
         t = _TRACKERS[opt] = _StepTracker()
+        _guard_gradient_readers()
     return t
+
+
+# -- gradient readers outside the graph: clip_grad_norm_, clip_grad_value_, GradScaler.unscale_ --------------
+# They read .grad, which a fused weight never gets: clipping and unscaling skipped those weights silently, after
+# their update had used the raw (unclipped, still scaled) gradient. Once this route is in use, the public entry
+# points are wrapped to raise when handed a weight forge has already updated in this step -- after the damage (the
+# update ran inside backward), but not silent. Code that bound the function before (``from torch.nn.utils import
+# clip_grad_norm_`` ahead of the first forge compile) keeps the unwrapped one.
+_GUARDED = False
+
+
+def _updated_in_step(params) -> list:
+    names = []
+    for t in list(_TRACKERS.values()):
+        if t.updated:
+            names += [t.updated[id(p)] for p in params if id(p) in t.updated]
+    return names
+
+
+def _refuse_after_fused_update(what: str, params) -> None:
+    names = _updated_in_step(params)
+    if names:
+        raise RuntimeError(
+            f"forge: {what} reads the gradients of {len(names)} weight(s) ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}) whose update the forge backend already applied inside "
+            "loss.backward() with the raw gradient (it never makes their .grad): that update is not what "
+            f"{what} asks for. Compile without options={{'optimizer': ...}} (plain Inductor), or use "
+            "forge.compile_train_step, which keeps the step exact (the weights it clips or unscales unfused).")
+
+
+def _guard_gradient_readers() -> None:
+    global _GUARDED
+    if _GUARDED:
+        return
+    _GUARDED = True
+    import functools
+
+    import torch.nn.utils as nn_utils
+    from torch.nn.utils import clip_grad
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        orig = getattr(clip_grad, name)
+
+        @functools.wraps(orig)
+        def guarded(parameters, *args, _orig=orig, _name=name, **kwargs):
+            if _any_updates():
+                parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+                _refuse_after_fused_update(f"torch.nn.utils.{_name}", parameters)
+            return _orig(parameters, *args, **kwargs)
+
+        guarded._forge_guarded = orig
+        setattr(clip_grad, name, guarded)
+        if getattr(nn_utils, name, None) is orig:
+            setattr(nn_utils, name, guarded)
+    scaler = torch.amp.GradScaler
+    orig_unscale = scaler.unscale_
+
+    @functools.wraps(orig_unscale)
+    def unscale_(self, optimizer):
+        if _any_updates():
+            _refuse_after_fused_update("GradScaler.unscale_ (GradScaler.step)",
+                                       [p for g in optimizer.param_groups for p in g["params"]])
+        return orig_unscale(self, optimizer)
+
+    unscale_._forge_guarded = orig_unscale
+    scaler.unscale_ = unscale_
+
+
+def _any_updates() -> bool:
+    return any(t.updated for t in list(_TRACKERS.values()))
 
 
 # -- helpers -----------------------------------------------------------------------------------------

@@ -465,6 +465,40 @@ def test_gradient_hooks_on_fused_weights_run_on_their_gradients(kind):
         torch.testing.assert_close(seen["forge"], seen["eager"], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("reader", ["clip_grad_norm_", "clip_grad_value_", "grad_scaler"])
+def test_gradient_readers_after_a_fused_update_raise(reader):
+    # clip_grad_norm_ / clip_grad_value_ / GradScaler read .grad, which fused weights never get: they skipped those
+    # weights silently, whose update had already used the raw gradient. Now they raise, naming the weights; the
+    # same call over unfused parameters only (the biases) still runs, as eager
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref.parameters())
+    cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
+    x, y = _mlp_batches(1)[0]
+    loss = F.mse_loss(cmodel(x), y)
+    if reader == "grad_scaler":
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(loss).backward()
+        with pytest.raises(RuntimeError, match=r"GradScaler.unscale_.*3 weight\(s\) \(fc1.weight, fc2.weight, fc3.weight"):
+            scaler.step(opt)
+        return
+    loss.backward()
+    clip = getattr(torch.nn.utils, reader)
+    arg = 0.5 if reader == "clip_grad_norm_" else 0.01
+    with pytest.raises(RuntimeError, match=rf"{reader} reads the gradients of 3 weight\(s\) \(fc1.weight"):
+        clip(model.parameters(), arg)
+    opt.step(); opt.zero_grad()
+    F.mse_loss(ref(x), y).backward(); ref_opt.step(); ref_opt.zero_grad()
+    for _ in range(2):      # over the unfused biases only: allowed, and the same as eager
+        x, y = _mlp_batches(1)[0]
+        for m, o in ((cmodel, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            clip([mod.bias for mod in (m.fc1, m.fc2, m.fc3)] if m is ref else
+                 [model.fc1.bias, model.fc2.bias, model.fc3.bias], arg)
+            o.step(); o.zero_grad()
+    _assert_same(model, opt, ref, ref_opt, f"{reader} over the biases")
+
+
 def test_state_is_cached_but_follows_load_state_dict(count_slow_reads):
     model = DeepMLP()
     ref = copy.deepcopy(model)
