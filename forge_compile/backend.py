@@ -68,10 +68,10 @@ aten = torch.ops.aten
 __all__ = ["forge_backend", "last_report", "last_reports", "clear_reports", "last_graphs", "counters"]
 
 _NOTE_SEMANTICS = (
-    "fused weights are updated inside loss.backward(): their .grad stays None, so clip_grad_norm_, "
-    "GradScaler unscaling, gradient logging and DDP gradient hooks do not see them, and a second "
-    "backward before optimizer.step() (gradient accumulation) raises; a backward that may not see a "
-    "weight's whole gradient (model called twice per step) runs unfused"
+    "fused weights are updated inside loss.backward(): their .grad stays None, so clip_grad_norm_ and "
+    "GradScaler unscaling over them raise (after their update), gradient logging and DDP gradient hooks do not "
+    "see them, and a second backward before optimizer.step() (gradient accumulation) raises; a backward that may "
+    "not see a weight's whole gradient (model called twice per step, a gradient hook on it) runs unfused"
 )
 
 # fused_backward / unfused_backward: backward calls by variant; unfused_compiles: lazy compiles of the
