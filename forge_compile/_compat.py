@@ -167,6 +167,15 @@ def detect_fake_mode(inputs):
     return _detect(inputs)
 
 
+def outside_fake_mode():
+    """A context in which tensor ops run on real tensors even inside a FakeTensorMode (AOTAutograd compiles a
+    dynamic-shape graph's backward eagerly under the forward's fake mode, where forge reads real optimizer
+    states)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def auto_functionalized():
     """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
     return torch.ops.higher_order.auto_functionalized

@@ -503,104 +503,108 @@ class _Compilation:
                 f"nothing fused: the backward returns {len(outs)} gradients for {fw.n_primals} inputs"])
             return self._finish(gm, example_inputs, compile_fx_inner, kwargs, captured, report, None)
 
-        cands = []     # (input index, plan)
-        for i, (inp_id, g) in enumerate(zip(self.input_ids, outs)):
-            pl = self.plans.get(inp_id)
-            if pl is not None and isinstance(g, fx.Node):
-                cands.append((i, pl))
+        # Real tensors from here to the extras (the optimizer's states, W, the scalar table) even when AOTAutograd
+        # compiles this backward eagerly under the forward's fake mode (a dynamic-shape graph): cloning a real state
+        # there raised, and the backward was compiled again at its first call; fake values are made explicitly
+        with _compat.outside_fake_mode():
+            cands = []     # (input index, plan)
+            for i, (inp_id, g) in enumerate(zip(self.input_ids, outs)):
+                pl = self.plans.get(inp_id)
+                if pl is not None and isinstance(g, fx.Node):
+                    cands.append((i, pl))
 
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        last_ph = placeholders[-1]
+            placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+            last_ph = placeholders[-1]
 
-        def add_placeholder(name, val):
-            nonlocal last_ph
-            with graph.inserting_after(last_ph):
-                last_ph = graph.placeholder(name)
-            last_ph.meta["val"] = _fake(fake_mode, val)
-            return last_ph
+            def add_placeholder(name, val):
+                nonlocal last_ph
+                with graph.inserting_after(last_ph):
+                    last_ph = graph.placeholder(name)
+                last_ph.meta["val"] = _fake(fake_mode, val)
+                return last_ph
 
-        ph_of, names = {}, {}
-        for i, pl in cands:
-            states, hps = _peek_states(self.optimizer, pl)
-            w = add_placeholder(f"forge_param_{i}", pl.param.detach())
-            s_nodes = [add_placeholder(f"forge_state_{i}_{k}", s) for k, s in enumerate(states)]
-            h_nodes = [add_placeholder(f"forge_hparam_{i}_{k}", h) for k, h in enumerate(hps)]
-            ph_of[i] = (w, s_nodes, h_nodes)
-            names[w] = self.names[i]
+            ph_of, names = {}, {}
+            for i, pl in cands:
+                states, hps = _peek_states(self.optimizer, pl)
+                w = add_placeholder(f"forge_param_{i}", pl.param.detach())
+                s_nodes = [add_placeholder(f"forge_state_{i}_{k}", s) for k, s in enumerate(states)]
+                h_nodes = [add_placeholder(f"forge_hparam_{i}_{k}", h) for k, h in enumerate(hps)]
+                ph_of[i] = (w, s_nodes, h_nodes)
+                names[w] = self.names[i]
 
-        # Route the backward's saved views of each candidate W through its W placeholder.
-        for ph in placeholders:
-            info = fw.saved_views.get(ph.name)
-            if info is None or info[0] not in ph_of or not ph.users:
-                continue
-            cur = ph_of[info[0]][0]
-            first = _first_user(graph, ph)
-            for target, rest, kw in info[1]:
-                with graph.inserting_before(first):
-                    nxt = graph.call_function(target, (cur,) + rest, kw)
-                with fake_mode:
-                    nxt.meta["val"] = target(cur.meta["val"], *rest, **kw)
-                cur = nxt
-            ph.replace_all_uses_with(cur)
+            # Route the backward's saved views of each candidate W through its W placeholder.
+            for ph in placeholders:
+                info = fw.saved_views.get(ph.name)
+                if info is None or info[0] not in ph_of or not ph.users:
+                    continue
+                cur = ph_of[info[0]][0]
+                first = _first_user(graph, ph)
+                for target, rest, kw in info[1]:
+                    with graph.inserting_before(first):
+                        nxt = graph.call_function(target, (cur,) + rest, kw)
+                    with fake_mode:
+                        nxt.meta["val"] = target(cur.meta["val"], *rest, **kw)
+                    cur = nxt
+                ph.replace_all_uses_with(cur)
 
-        applies = {}
-        with graph.inserting_before(out_node):
+            applies = {}
+            with graph.inserting_before(out_node):
+                for i, pl in cands:
+                    w, s_nodes, h_nodes = ph_of[i]
+                    a = graph.call_function(torch.ops.forge.apply_rule_.default,
+                                            (w, outs[i], s_nodes, h_nodes, pl.rule.name))
+                    applies[a] = i
+            new_outs = list(outs)
+            for i, _ in cands:
+                new_outs[i] = None
+            out_node.args = (tuple(new_outs),)
+            graph.lint()
+
+            decisions = rewrite_wgrad_updates(gm, names, fuse=True)
+
+            # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
+            # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
+            unfused = set()
+            for a in [n for n in graph.nodes if n.op == "call_function"
+                      and n.target is torch.ops.forge.apply_rule_.default]:
+                i = applies[a]
+                unfused.add(i)
+                new_outs[i] = a.args[1]
+                graph.erase_node(a)
+            out_node.args = (tuple(new_outs),)
+            passed = []           # (plan, with_states)
             for i, pl in cands:
                 w, s_nodes, h_nodes = ph_of[i]
-                a = graph.call_function(torch.ops.forge.apply_rule_.default,
-                                        (w, outs[i], s_nodes, h_nodes, pl.rule.name))
-                applies[a] = i
-        new_outs = list(outs)
-        for i, _ in cands:
-            new_outs[i] = None
-        out_node.args = (tuple(new_outs),)
-        graph.lint()
-
-        decisions = rewrite_wgrad_updates(gm, names, fuse=True)
-
-        # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
-        # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
-        unfused = set()
-        for a in [n for n in graph.nodes if n.op == "call_function"
-                  and n.target is torch.ops.forge.apply_rule_.default]:
-            i = applies[a]
-            unfused.add(i)
-            new_outs[i] = a.args[1]
-            graph.erase_node(a)
-        out_node.args = (tuple(new_outs),)
-        passed = []           # (plan, with_states)
-        for i, pl in cands:
-            w, s_nodes, h_nodes = ph_of[i]
-            if i in unfused:
-                for n in s_nodes + h_nodes:
-                    graph.erase_node(n)
-                if w.users:
-                    passed.append((pl, False, w))
+                if i in unfused:
+                    for n in s_nodes + h_nodes:
+                        graph.erase_node(n)
+                    if w.users:
+                        passed.append((pl, False, w))
+                    else:
+                        graph.erase_node(w)
                 else:
-                    graph.erase_node(w)
-            else:
-                passed.append((pl, True, w))
-        table, table_note = None, None
-        if self.scalar_table and any(i not in unfused for i, _ in cands):
-            if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
-                table = self._use_table(gm, cands, unfused, ph_of)
-                table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
-                              "table written before each backward (the backward can be a CUDA graph)")
-            else:
-                table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
-        _functionalize_fused(gm, fake_mode)
-        graph.eliminate_dead_code()
-        gm.recompile()
+                    passed.append((pl, True, w))
+            table, table_note = None, None
+            if self.scalar_table and any(i not in unfused for i, _ in cands):
+                if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
+                    table = self._use_table(gm, cands, unfused, ph_of)
+                    table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
+                                  "table written before each backward (the backward can be a CUDA graph)")
+                else:
+                    table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
+            _functionalize_fused(gm, fake_mode)
+            graph.eliminate_dead_code()
+            gm.recompile()
 
-        extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
-        extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table)
-        if table is not None:
-            # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
-            # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
-            static = set(kwargs.get("static_input_idxs", ()) or ())
-            kwargs = dict(kwargs, static_input_idxs=tuple(sorted(
-                static | set(range(len(placeholders), len(placeholders) + len(extra_fakes))))))
-        fused_plans = [pl for i, pl in cands if i not in unfused]
+            extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
+            extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table)
+            if table is not None:
+                # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
+                # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
+                static = set(kwargs.get("static_input_idxs", ()) or ())
+                kwargs = dict(kwargs, static_input_idxs=tuple(sorted(
+                    static | set(range(len(placeholders), len(placeholders) + len(extra_fakes))))))
+            fused_plans = [pl for i, pl in cands if i not in unfused]
 
         report = FusionReport(decisions, graph="backward")
         if fused_plans:

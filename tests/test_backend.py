@@ -499,6 +499,27 @@ def test_gradient_readers_after_a_fused_update_raise(reader):
     _assert_same(model, opt, ref, ref_opt, f"{reader} over the biases")
 
 
+def test_dynamic_shapes_compile_the_backward_once_and_match_eager(caplog):
+    # a second batch size makes Dynamo recompile with dynamic shapes, and AOTAutograd then compiles the backward
+    # eagerly under the forward's fake mode: forge's real-state reads there raised ("Please convert all Tensors to
+    # FakeTensors"), logged as a long warning, and the backward was compiled again at its first call
+    model = DeepMLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
+    cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
+    fb.counters.clear()
+    with caplog.at_level("WARNING"):
+        for b in (6, 7, 9, 12, 6):
+            x, y = torch.randn(b, 16), torch.randn(b, 8)
+            for m, o in ((cmodel, opt), (ref, ref_opt)):
+                F.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+    _assert_same(model, opt, ref, ref_opt, "dynamic shapes")
+    assert not [r for r in caplog.records if "failed to eagerly compile backwards" in r.getMessage()]
+    assert fb.counters["fused_backward"] >= 5 and not fb.counters["unfused_backward"]
+
+
 def test_state_is_cached_but_follows_load_state_dict(count_slow_reads):
     model = DeepMLP()
     ref = copy.deepcopy(model)
