@@ -66,6 +66,34 @@ def test_cuda_backend_matches_eager(opt_name, autocast):
         assert err <= tol, (n, err, tol)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_backend_dynamic_sequence_lengths_match_eager(autocast):
+    # new sequence lengths -> Dynamo recompiles with dynamic shapes: the fused updates launch with the token count
+    # known at run time only (CPU-tested in test_backend.py; this is the CUDA kernel path)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TinyLM().cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = MAKE["sgd"](model.parameters()), MAKE["sgd"](ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+    fb.counters.clear()
+    for t in (33, 21, 45, 17, 33):
+        idx = torch.randint(0, 40, (4, t), device="cuda")
+        x, y = idx[:, :-1], idx[:, 1:]
+        for m, o in ((cm, opt), (ref, ref_opt)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = m(x)
+            _loss(out, y).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert len(fb.last_report().fused) == 5, str(fb.last_report())
+    assert fb.counters["fused_backward"] == 5 and not fb.counters["unfused_backward"], fb.counters
+    # as test_cuda_backend_matches_eager's SGD tolerances
+    tol = 1e-3 if autocast else 1e-4
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        err = (a - b).abs().max().item()
+        assert err <= tol, (n, err, tol)
+
+
 def _peak_step(route, autocast, d=2048, layers=4, tokens=128):
     """Peak memory of one steady-state train step, and of its backward + opt.step alone, above what is
     allocated before each."""
