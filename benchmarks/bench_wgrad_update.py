@@ -104,6 +104,14 @@ def make_inputs(kind, act, n, k, m, seed=0):
     return rule, w, dy.t(), x, st, hp
 
 
+def floor_ms(rule, n, k, m, upcast=False):
+    """The roofline floor of a fused step: W and the tensor states read and written once, dY/X read once, at BW --
+    or the GEMM at FLOPS (FLOPS_FP32 with fp32 activations), whichever is longer."""
+    n_tensor_states = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+    nbytes = (8 + 8 * n_tensor_states) * n * k + (4 if upcast else 2) * m * (n + k)
+    return max(nbytes / BW, 2 * n * k * m / (FLOPS_FP32 if upcast else FLOPS)) * 1e3
+
+
 def wgrad_mm(dy_t, x):
     if dy_t.dtype == torch.float32:
         return torch.mm(dy_t, x)
@@ -515,6 +523,21 @@ def split_overlap_sweep(args, log):
 HOIST_CASES = [("adamw", (64, 256, 1024, 2048, 4096, 8192)), ("sgdm", (256, 2048, 8192)), ("lion", (256, 2048))]
 
 
+def _time_gluon_configs(kind, n, k, m, cfgs, bench):
+    """bf16 inputs for one case, every Gluon config of ``cfgs`` checked bit-exact vs eager on its stored dW, then
+    timed beside the unfused step: (all checks passed, {"unfused": ms, name: ms ...}, the rule)."""
+    rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
+    ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                          launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+             for c in cfgs.values())
+    fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+    t = {"unfused": bench(fn)}
+    t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
+    del w, dy_t, x, st
+    torch.cuda.empty_cache()
+    return ok, t, rule
+
+
 def hoist_sweep(args, log):
     """bf16 4096x4096, one process: unfused, split_config() / smem_config() and the same with hoist=True (all checked
     bit-exact vs eager on their stored dW), the hoisted kernels' gains. auto picks split above M=512 (3 arrays) /
@@ -530,21 +553,13 @@ def hoist_sweep(args, log):
             "smem": wg.smem_config(), "smem_h": wg.smem_config(hoist=True)}
     for kind, ms in HOIST_CASES:
         for m in ms:
-            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, 4096, 4096, m, seed=m)
-            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
-                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
-                     for c in cfgs.values())
+            ok, t, _ = _time_gluon_configs(kind, 4096, 4096, m, cfgs, bench)
             all_ok &= ok
-            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
-            t = {"unfused": bench(fn)}
-            t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
             t["split/h"] = t["split"] / t["split_h"]
             t["smem/h"] = t["smem"] / t["smem_h"]
             rows.append((kind, m, t))
             log(f"{kind} 4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items())
                 + ("" if ok else " | CHECK FAILED"))
-            del w, dy_t, x, st
-            torch.cuda.empty_cache()
     keys = list(rows[0][2])
     log("\n" + f"{'rule':>6} {'M':>6} " + " ".join(f"{k:>9}" for k in keys))
     for kind, m, t in rows:
@@ -588,24 +603,15 @@ def _split_variant_sweep(args, log, cases, cfgs):
     all_ok, rows = True, []
     for kind, n, k, ms in cases:
         for m in ms:
-            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
-            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
-                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
-                     for c in cfgs.values())
+            ok, t, rule = _time_gluon_configs(kind, n, k, m, cfgs, bench)
             all_ok &= ok
-            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
-            t = {"unfused": bench(fn)}
-            t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
-            nst = 2 if kind == "adamw" else 1
-            t["floor"] = max(((8 + 8 * nst) * n * k + 2 * m * (n + k)) / BW, 2 * n * k * m / FLOPS) * 1e3
+            t["floor"] = floor_ms(rule, n, k, m)
             best = min(cfgs, key=t.get)
             t["unf/best"] = t["unfused"] / t[best]
             t["split/best"] = t["split"] / t[best]
             rows.append((kind, n, k, m, t, best))
             log(f"{kind} {n}x{k} M={m}: " + " | ".join(f"{a} {v:.4f}" for a, v in t.items())
                 + f" | best {best}" + ("" if ok else " | CHECK FAILED"))
-            del w, dy_t, x, st
-            torch.cuda.empty_cache()
     keys = list(rows[0][4])
     log("\n" + f"{'rule':>6} {'shape':>11} {'M':>5} " + " ".join(f"{a:>10}" for a in keys) + "  best")
     for kind, n, k, m, t, best in rows:
@@ -1122,9 +1128,7 @@ def main():
                     log(f"  TUNED CHECK FAILED {kind} {act} {n}x{k} M={m}: {tu_name}")
         opt_bytes = (8 + 8 * n_tensor_states + 4) * n * k   # W, states read+write, dW read
         t_ideal = t_mm + opt_bytes / BW * 1e3
-        act_b = 4 if upcast else 2
-        nbytes = (8 + 8 * n_tensor_states) * n * k + act_b * m * (n + k)
-        floor = max(nbytes / BW, 2 * n * k * m / (FLOPS_FP32 if upcast else FLOPS)) * 1e3
+        floor = floor_ms(rule, n, k, m, upcast)
         best = min(res, key=res.get) if res else None
         row = dict(kind=kind, act=act, n=n, k=k, m=m, unfused_ms=t_unf, mm_ms=t_mm, mm_ideal_ms=t_ideal,
                    default_config=default, default_ms=res.get(default, float("nan")), best_config=best,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import collections
 import dataclasses
+import functools
 import logging
 import operator
 import re
@@ -219,8 +220,6 @@ def _guard_gradient_readers() -> None:
     if _GUARDED:
         return
     _GUARDED = True
-    import functools
-
     import torch.nn.utils as nn_utils
     from torch.nn.utils import clip_grad
 
@@ -779,7 +778,6 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
         for p in fused_params:
             if p.grad is not None:
                 return ".grad of a fused weight is already set (a gradient accumulated before this backward)"
-        for p in fused_params:
             if _compat.gradient_hooks(p):
                 # a fused update makes no gradient: the hook would get None (or never run) after the weight
                 # had already changed; unfused, autograd hands it the gradient and opt.step() applies the result

@@ -166,3 +166,8 @@ def buffer_reuse_at_compile(monkeypatch, steps=1, **kw):
     for _ in range(steps):
         step(torch.randn(4, 16), torch.randn(4, 8))
     return seen
+
+
+def halve_grad(p):
+    """A post-accumulate-grad hook that changes the gradient (the gradient-hook tests of both routes)."""
+    p.grad.mul_(0.5)

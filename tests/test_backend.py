@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import forge_compile.backend as fb
 from forge_compile.optim.lion import Lion
-from models import MLP, TinyLM, check_recomputed_weight_casts, mse_route_step
+from models import MLP, TinyLM, check_recomputed_weight_casts, halve_grad, mse_route_step
 
 # Tolerances: the fused update is the same rule function, but dW is summed in row blocks by the
 # fused op and the rest of the backward by Inductor's kernels, in another order than eager torch;
@@ -430,10 +430,6 @@ def test_grad_already_set_runs_unfused():
     _assert_same(model, opt, ref, ref_opt, "grad already set")
 
 
-def _halve_grad(p):
-    p.grad.mul_(0.5)
-
-
 @pytest.mark.parametrize("kind", ["scale", "post_accumulate", "log"])
 def test_gradient_hooks_on_fused_weights_run_on_their_gradients(kind):
     # a fused update makes no gradient: a hook on a fused weight got None after the weight had changed (TypeError in
@@ -448,7 +444,7 @@ def test_gradient_hooks_on_fused_weights_run_on_their_gradients(kind):
         if kind == "scale":
             m.fc2.weight.register_hook(lambda g: g * 2)
         elif kind == "post_accumulate":
-            m.fc3.weight.register_post_accumulate_grad_hook(_halve_grad)
+            m.fc3.weight.register_post_accumulate_grad_hook(halve_grad)
         else:
             m.fc2.weight.register_hook(lambda g, _t=tag: seen[_t].append(float(g.norm())))
     cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
@@ -493,8 +489,7 @@ def test_gradient_readers_after_a_fused_update_raise(reader):
         x, y = _mlp_batches(1)[0]
         for m, o in ((cmodel, opt), (ref, ref_opt)):
             F.mse_loss(m(x), y).backward()
-            clip([mod.bias for mod in (m.fc1, m.fc2, m.fc3)] if m is ref else
-                 [model.fc1.bias, model.fc2.bias, model.fc3.bias], arg)
+            clip([mod.bias for mod in (m.fc1, m.fc2, m.fc3)], arg)
             o.step(); o.zero_grad()
     _assert_same(model, opt, ref, ref_opt, f"{reader} over the biases")
 
@@ -504,17 +499,10 @@ def test_dynamic_shapes_compile_the_backward_once_and_match_eager(caplog):
     # eagerly under the forward's fake mode: forge's real-state reads there raised ("Please convert all Tensors to
     # FakeTensors"), logged as a long warning, and the backward was compiled again at its first call
     model = DeepMLP()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](ref.parameters())
-    cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
     fb.counters.clear()
+    batches = [(torch.randn(b, 16), torch.randn(b, 8)) for b in (6, 7, 9, 12, 6)]
     with caplog.at_level("WARNING"):
-        for b in (6, 7, 9, 12, 6):
-            x, y = torch.randn(b, 16), torch.randn(b, 8)
-            for m, o in ((cmodel, opt), (ref, ref_opt)):
-                F.mse_loss(m(x), y).backward()
-                o.step()
-                o.zero_grad()
+        opt, ref, ref_opt, _ = _train_both(model, OPTIMIZERS["adamw"], batches, F.mse_loss)
     _assert_same(model, opt, ref, ref_opt, "dynamic shapes")
     assert not [r for r in caplog.records if "failed to eagerly compile backwards" in r.getMessage()]
     assert fb.counters["fused_backward"] >= 5 and not fb.counters["unfused_backward"]

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import forge_compile as forge
-from models import MLP, Block, TinyLM
+from models import MLP, Block, TinyLM, halve_grad
 
 # Tolerances: the fused path computes the same update function, but its matmuls (row blocks of dW,
 # whole-graph Inductor kernels for the rest) sum in another order than eager torch, and fp32 rounding
@@ -746,10 +746,6 @@ def test_sparse_gradients_are_refused_before_anything_changes():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _halve_grad(p):
-    p.grad.mul_(0.5)
-
-
 @pytest.mark.parametrize("kind", ["tensor_hook", "post_accumulate_hook", "registered_later"])
 def test_gradient_hooks_on_parameters_are_refused_before_anything_changes(kind):
     # the whole step is one graph with no autograd engine to call a parameter's gradient hooks: they were skipped
@@ -765,7 +761,7 @@ def test_gradient_hooks_on_parameters_are_refused_before_anything_changes(kind):
 
     def hook():
         if kind == "post_accumulate_hook":
-            return model.fc1.bias.register_post_accumulate_grad_hook(_halve_grad)
+            return model.fc1.bias.register_post_accumulate_grad_hook(halve_grad)
         return model.fc2.weight.register_hook(lambda g: g * 2)
 
     x, y = _mlp_batch()

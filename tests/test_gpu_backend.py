@@ -34,6 +34,20 @@ def _loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def _train_both(cm, opt, ref, ref_opt, lengths, autocast):
+    """One step per sequence length (+1 token for the shifted targets) on the compiled model and on eager torch,
+    the same batch for both."""
+    for t in lengths:
+        idx = torch.randint(0, 40, (4, t), device="cuda")
+        x, y = idx[:, :-1], idx[:, 1:]
+        for m, o in ((cm, opt), (ref, ref_opt)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = m(x)
+            _loss(out, y).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd", "lion"])
 def test_cuda_backend_matches_eager(opt_name, autocast):
@@ -42,15 +56,7 @@ def test_cuda_backend_matches_eager(opt_name, autocast):
     ref = copy.deepcopy(model)
     opt, ref_opt = MAKE[opt_name](model.parameters()), MAKE[opt_name](ref.parameters())
     cm = torch.compile(model, backend="forge", options={"optimizer": opt})
-    for _ in range(STEPS):
-        idx = torch.randint(0, 40, (4, 33), device="cuda")
-        x, y = idx[:, :-1], idx[:, 1:]
-        for m, o in ((cm, opt), (ref, ref_opt)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                out = m(x)
-            _loss(out, y).backward()
-            o.step()
-            o.zero_grad(set_to_none=True)
+    _train_both(cm, opt, ref, ref_opt, (33,) * STEPS, autocast)
     assert len(fb.last_report().fused) == 5, str(fb.last_report())
     # fp32: IEEE dots in the kernel vs cuBLAS, another summation order amplified by Adam/Lion's
     # normalisation (as tests/test_gpu_train_step.py). bf16: Inductor and eager round bf16
@@ -76,15 +82,7 @@ def test_cuda_backend_dynamic_sequence_lengths_match_eager(autocast):
     opt, ref_opt = MAKE["sgd"](model.parameters()), MAKE["sgd"](ref.parameters())
     cm = torch.compile(model, backend="forge", options={"optimizer": opt})
     fb.counters.clear()
-    for t in (33, 21, 45, 17, 33):
-        idx = torch.randint(0, 40, (4, t), device="cuda")
-        x, y = idx[:, :-1], idx[:, 1:]
-        for m, o in ((cm, opt), (ref, ref_opt)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                out = m(x)
-            _loss(out, y).backward()
-            o.step()
-            o.zero_grad(set_to_none=True)
+    _train_both(cm, opt, ref, ref_opt, (33, 21, 45, 17, 33), autocast)
     assert len(fb.last_report().fused) == 5, str(fb.last_report())
     assert fb.counters["fused_backward"] == 5 and not fb.counters["unfused_backward"], fb.counters
     # as test_cuda_backend_matches_eager's SGD tolerances

@@ -222,7 +222,7 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, side_out, cands: list[Ch
         # dY [M, N] row-major sliced to its first `rows` columns, contiguous again (TMA needs it), as dy_t
         dy_s = dy_t[:rows] if rows == weight.shape[0] else dy_t[:rows].t().contiguous().t()
     scalar0 = [s.clone() for i, s in enumerate(st_s) if scalar(i)]
-    timed = []
+    timed, default = [], None
     for c in cands:
         try:
             fn = _bind_choice(c, w_s, dy_s, x, st_s, hparams, rule, g_s, table)
@@ -239,13 +239,14 @@ def _tune(rule: Rule, weight, dy_t, x, states, hparams, side_out, cands: list[Ch
             continue
         counters["candidates_timed"] += 1
         timed.append(dataclasses.replace(c, ms=ms))
+        if c is cands[0]:
+            default = timed[-1]
     del w_s, st_s, g_s, dy_s
     if not timed:
         return None
     best = min(timed, key=lambda c: c.ms)
     # the default (the first candidate, when it ran) stays unless another beats it by more than the timing noise:
     # a choice within a few percent is a coin toss that a tuned run should not lose to the untuned one on
-    default = timed[0] if dataclasses.replace(timed[0], ms=cands[0].ms) == cands[0] else None
     if default is not None and best.ms > default.ms * (1 - KEEP_DEFAULT):
         counters["kept_default"] += 1
         return default
