@@ -176,6 +176,13 @@ def outside_fake_mode():
     return unset_fake_temporarily()
 
 
+def is_rng_state_placeholder(node) -> bool:
+    """An input AOTAutograd's partitioner appends to a forward graph after its primals: the CUDA generator state
+    of a random op recomputed in the backward (graph-safe RNG functionalization; a checkpointed region with SDPA,
+    whose CUDA kernels are tagged nondeterministic_seeded, has one). The runtime passes it; Dynamo never sees it."""
+    return isinstance(node.meta.get("val"), torch.Generator) or node.name.startswith("fwd_rng_state_")
+
+
 def auto_functionalized():
     """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
     return torch.ops.higher_order.auto_functionalized

@@ -299,6 +299,9 @@ class _ForwardInfo:
 def _analyze_forward(gm: fx.GraphModule) -> _ForwardInfo:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
+    # the primals (one per Dynamo input) come first; RNG states AOTAutograd appends for the backward's recompute
+    # of checkpointed random ops are not Dynamo inputs (counting them left every such graph unfused)
+    n_primals = sum(not _compat.is_rng_state_placeholder(n) for n in placeholders)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     views = {}
     for o in torch.utils._pytree.tree_leaves(out.args[0]):
@@ -308,7 +311,7 @@ def _analyze_forward(gm: fx.GraphModule) -> _ForwardInfo:
         if base is None:
             continue
         views[o.name] = (index[base], [(v.target, tuple(v.args[1:]), dict(v.kwargs)) for v in chain])
-    return _ForwardInfo(len(placeholders), views, format_graph(gm))
+    return _ForwardInfo(n_primals, views, format_graph(gm))
 
 
 class _Entry(ParamStates):

@@ -675,10 +675,12 @@ def test_interpreter_scalar_table_follows_eager(interpret, make_opt):
 @pytest.mark.parametrize("route", ["backend", "step"])
 def test_activation_checkpointing_under_autocast_matches_torch_compile(route):
     """torch.utils.checkpoint recomputes each block's forward -- its weight casts included -- inside the backward,
-    around the fused updates. One SGD step (lr 0.1) against plain torch.compile: the fused weights differ only
-    by their dW skipping bf16's rounding (measured <= 3.5e-3 relative), the others not beyond rounding; a dX or
-    recomputed activation read from an updated weight shows as ~1e-1 (measured with activation_memory_budget=0
-    before that was fixed)."""
+    around the fused updates. One SGD step (lr 0.1) against plain torch.compile: a dX or recomputed activation read
+    from an updated weight shows as ~1e-1 (measured with activation_memory_budget=0 before that was fixed); rounding
+    stays below 2e-2. The fused weights differ by their dW skipping bf16's rounding (<= 3.5e-3 relative, torch 2.13);
+    the unfused ones were bitwise Inductor's on torch 2.13 but not on the device's torch 2.11, where the step route's
+    graph rounds bf16 intermediates otherwise (LayerNorm weights/biases 0.8e-3..4.6e-3 at lr 0.1, the same relative
+    size at lr 1e-3 -- rounding, not a stale read, which would scale with lr; eager vs Inductor are 1.3e-2 apart)."""
     import forge_compile as forge
     from torch.utils.checkpoint import checkpoint
     from models import Block
@@ -726,7 +728,20 @@ def test_activation_checkpointing_under_autocast_matches_torch_compile(route):
     assert len(fused) == 9 + (route == "step"), str(report)
     for n, upd in got.items():
         rel = ((upd - ref[n]).abs().max() / ref[n].abs().max()).item()
-        assert rel <= (1e-2 if n in fused else 1e-3), (n, rel)
+        assert rel <= 2e-2, (n, n in fused, rel)
+
+
+def test_forward_rng_state_inputs_are_not_dynamo_inputs():
+    # a checkpointed random op on CUDA (SDPA) makes AOTAutograd append a generator-state input to the forward graph
+    # after its primals; counted as a primal, it left every such backward unfused (found on the H100: bench_train_step
+    # --checkpoint, 0/57 fused). CPU has no graph-safe RNG, so the forward is built here as the partitioner makes it.
+    import torch.fx as fx
+    g = fx.Graph()
+    a, b = g.placeholder("primals_1"), g.placeholder("primals_2")
+    rng = g.placeholder("fwd_rng_state_0")
+    rng.meta["val"] = torch.Generator()
+    g.output((g.call_function(torch.ops.aten.mm.default, (a, b)), a))
+    assert fb._analyze_forward(fx.GraphModule({}, g)).n_primals == 2
 
 
 @pytest.mark.parametrize("route", ["step", "backend"])
