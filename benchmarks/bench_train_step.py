@@ -353,7 +353,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
     with torch.device(device):
         torch.manual_seed(cfg["seed"])
         model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"],
-                      tied=cfg.get("tied", False))
+                      tied=cfg.get("tied", False), checkpoint=cfg.get("checkpoint", False))
     model.train()
     wl = WithLoss(model, cfg["vocab"])
     pnames = [n for n, _ in model.named_parameters()]
@@ -998,6 +998,9 @@ def parse_args(argv):
     p.add_argument("--tied", action="store_true",
                    help="tie the lm_head to the embedding (Llama-3.2 / Qwen2.5 style): one weight, fused by "
                         "compile_train_step as the head's matmul + the embedding's rows")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing per decoder layer (torch.utils.checkpoint, non-reentrant): the "
+                        "fine-tuning regime where parameters + states fill memory and activations do not")
     p.add_argument("--routes", default=",".join(DEFAULT_ROUTES),
                    help=f"comma-separated, of {', '.join(ROUTES)} (eager: the baseline without torch.compile, "
                         "a reference for how far correct bf16 runs drift apart in the loss check)")
@@ -1054,8 +1057,8 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"unknown routes {sorted(bad)}; known: {', '.join(ROUTES)}")
     mbs = [int(m) for m in str(args.mbs).split(",") if m]
-    cfg = dict(device=args.device, fp32=bool(args.fp32), tied=bool(args.tied), d_model=args.d_model,
-               layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
+    cfg = dict(device=args.device, fp32=bool(args.fp32), tied=bool(args.tied), checkpoint=bool(args.checkpoint),
+               d_model=args.d_model, layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
@@ -1073,6 +1076,8 @@ def main(argv=None):
               f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
               f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}, fp32 master "
               f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
+              + ("; tied lm_head" if args.tied else "")
+              + ("; activation checkpointing per layer" if args.checkpoint else "")
               + (f"; Inductor options (every compiled route) {cfg['inductor_options']}"
                  if cfg["inductor_options"] else ""))
     log(header.replace("\n", "; ").replace(" ({gpu})", ""))

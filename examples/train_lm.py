@@ -43,6 +43,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 try:
     import forge_compile as forge
@@ -137,8 +138,11 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """A Llama-style decoder: pre-norm RMSNorm, rotary embeddings, causal SDPA, SwiGLU, lm_head untied by default."""
 
-    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB, tied=False):
+    def __init__(self, d_model, n_layers, n_heads, d_ff, max_seq_len, vocab=VOCAB, tied=False, checkpoint=False):
         super().__init__()
+        # activation checkpointing per decoder layer: only each layer's input is saved, its forward runs again in
+        # the backward (the fine-tuning regime where parameters + optimizer states, not activations, fill memory)
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(vocab, d_model)
         self.layers = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff) for _ in range(n_layers))
         self.norm = RMSNorm(d_model)
@@ -158,7 +162,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(idx)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.checkpoint and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
