@@ -183,6 +183,35 @@ def is_rng_state_placeholder(node) -> bool:
     return isinstance(node.meta.get("val"), torch.Generator) or node.name.startswith("fwd_rng_state_")
 
 
+def data_parallel_wrapper(modules=(), params=()) -> str | None:
+    """The data-parallel wrapper whose gradient synchronisation a fused update would bypass, or None:
+    DistributedDataParallel (its all-reduce runs in autograd hooks on the gradient accumulators; while its forward
+    runs, Dynamo compiles the wrapped module under ``_get_active_ddp_module``), FSDP (FullyShardedDataParallel;
+    its original parameters carry ``_fsdp_flattened``) and FSDP2 (``fully_shard`` makes modules ``FSDPModule``)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    if DistributedDataParallel._get_active_ddp_module() is not None:
+        return "DistributedDataParallel"
+    types = [DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        types.append(FullyShardedDataParallel)
+        from torch.distributed.fsdp import FSDPModule
+        types.append(FSDPModule)
+    except ImportError:
+        pass
+    types = tuple(types)
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, types):
+                return "FSDP2 (fully_shard)" if type(sub).__name__.startswith("FSDP") else type(sub).__name__
+    if any(getattr(p, "_fsdp_flattened", False) for p in params):
+        return "FullyShardedDataParallel"
+    return None
+
+
 def auto_functionalized():
     """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
     return torch.ops.higher_order.auto_functionalized

@@ -32,8 +32,9 @@ Semantics that change because the update happens inside backward, and what the r
   ``opt.step()`` (gradient accumulation), raises before touching them;
 - ``clip_grad_norm_`` / ``clip_grad_value_`` / GradScaler unscaling over a weight already updated this step
   raise (``_guard_gradient_readers``), after its update; gradient hooks on a fused weight make its backward run
-  unfused; cannot be detected: gradient logging from ``.grad`` and DDP's own autograd hooks never see fused
-  gradients (``.grad`` is None).
+  unfused; under a data-parallel wrapper (DDP, FSDP) nothing is fused, as its hooks must all-reduce every
+  gradient before the update; cannot be detected: gradient logging from ``.grad`` never sees fused gradients
+  (``.grad`` is None).
 """
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ __all__ = ["forge_backend", "last_report", "last_reports", "clear_reports", "las
 
 _NOTE_SEMANTICS = (
     "fused weights are updated inside loss.backward(): their .grad stays None, so clip_grad_norm_ and "
-    "GradScaler unscaling over them raise (after their update), gradient logging and DDP gradient hooks do not "
-    "see them, and a second backward before optimizer.step() (gradient accumulation) raises; a backward that may "
-    "not see a weight's whole gradient (model called twice per step, a gradient hook on it) runs unfused"
+    "GradScaler unscaling over them raise (after their update), gradient logging from .grad does not see them "
+    "(nothing is fused under DDP/FSDP), and a second backward before optimizer.step() (gradient accumulation) "
+    "raises; a backward that may not see a weight's whole gradient (model called twice per step, a gradient hook "
+    "on it) runs unfused"
 )
 
 # fused_backward / unfused_backward: backward calls by variant; unfused_compiles: lazy compiles of the
@@ -442,11 +444,12 @@ class _Compilation:
     """State shared by the forward and backward compiles of one Dynamo graph."""
 
     def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir, inductor_options=None,
-                 scalar_table=False):
+                 scalar_table=False, decline=None):
         self.optimizer = optimizer
+        self.decline = decline          # why nothing may be fused (a data-parallel wrapper), or None
         self.scalar_table = scalar_table
         self.inductor_options = dict(inductor_options or {})   # for the unfused variant, compiled later
-        self.fuse = fuse
+        self.fuse = fuse and decline is None
         self.dump_dir = dump_dir
         # ids only: holding the example inputs would keep the first batch alive with the compiled code
         self.input_ids = [id(e) for e in example_inputs]
@@ -486,6 +489,8 @@ class _Compilation:
         notes = []
         if self.optimizer is None:
             notes.append("nothing fused: no optimizer was given (options={'optimizer': opt})")
+        elif self.decline is not None:
+            notes.append(self.decline)
         elif not self.fuse:
             notes.append("fusion disabled (fuse=False)")
         elif fw is None or fw.n_primals != len(self.input_ids):
@@ -919,8 +924,18 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
         raise TypeError(f"forge backend: unknown options {sorted(unknown)} (forge's: {', '.join(_FORGE_OPTIONS)}; "
                         "any other must be an Inductor option, torch._inductor.list_options())")
     table = opts.get("scalar_table", bool(inductor_opts.get("triton.cudagraphs")))
-    comp = _Compilation(gm, example_inputs, opts.get("optimizer"), bool(opts.get("fuse", True)),
-                        opts.get("dump_dir"), inductor_opts, bool(table))
+    optimizer = opts.get("optimizer")
+    decline = None
+    if optimizer is not None:
+        wrapper = _compat.data_parallel_wrapper(
+            params=[p for g in optimizer.param_groups for p in g["params"]])
+        if wrapper is not None:
+            # the wrapper's hooks all-reduce (reduce-scatter) each gradient after backward computes it; a fused
+            # update inside the backward would apply this rank's local gradient: unfused, training is DDP's own
+            decline = (f"nothing fused: the model runs under {wrapper}, whose gradient synchronisation across "
+                       "ranks a fused update would bypass (data parallelism is not supported by fusion)")
+    comp = _Compilation(gm, example_inputs, optimizer, bool(opts.get("fuse", True)),
+                        opts.get("dump_dir"), inductor_opts, bool(table), decline=decline)
     return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
 
 

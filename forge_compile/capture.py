@@ -266,6 +266,7 @@ class CompiledTrainStep:
         self._explicit_optimizers = optimizers
         self._cache: dict = {}
         self._reads = WeakIdKeyDictionary()     # optimizer -> _OptimizerReads
+        self._dp_checked = None                  # ids of the modules last found free of data-parallel wrappers
         self.compile_count = 0
         self.last_report: FusionReport | None = None
 
@@ -495,6 +496,18 @@ class CompiledTrainStep:
     def _prepare(self):
         modules, optimizers = self._targets()
         walk, opt_plans, skeys = self._inputs(modules, optimizers)
+        key = tuple(map(id, modules.values()))
+        if key != self._dp_checked:      # once per set of modules: a tree walk costs ~10 us per 100 modules
+            wrapper = _compat.data_parallel_wrapper(modules.values(), walk.params)
+            if wrapper is not None:
+                raise ForgeCaptureError(
+                    f"forge: compile_train_step cannot train a model under {wrapper}: its gradient synchronisation "
+                    "across ranks runs in autograd hooks that a compiled step never calls (the backward is part of "
+                    "the step's graph), so every rank would update its weights from its own local gradient and the "
+                    "replicas would drift apart silently. Nothing was changed. Data parallelism is not supported "
+                    "(the roadmap's tensor parallelism is: each rank's dW of its shard is complete there). Train the "
+                    "unwrapped model on one rank, or use plain torch.compile for data-parallel training.")
+            self._dp_checked = key
         # checked at every call, before anything runs: a hook registered after the step compiled counts too
         hooked = [n for p, n in zip(walk.params, walk.pnames) if p.requires_grad and _compat.gradient_hooks(p)]
         if hooked:
