@@ -21,6 +21,8 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
+import traceback
 import types
 from collections import Counter
 
@@ -80,12 +82,40 @@ def discover(fn):
         found["self"] = fn.__self__
     modules = {n: o for n, o in found.items() if isinstance(o, nn.Module)}
     optimizers = [o for o in found.values() if isinstance(o, torch.optim.Optimizer)]
-    # Keep only top-level modules: a submodule also named in fn is already covered by its parent (with
-    # one module there is nothing to drop: this runs at every step, and the walk is not free).
-    if len(modules) > 1:
-        subs = {id(m) for mod in modules.values() for m in list(mod.modules())[1:]}
-        modules = {n: m for n, m in modules.items() if id(m) not in subs}
-    return modules, optimizers
+    return _top_level(modules), optimizers
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FORGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _failing_line(exc: BaseException) -> str:
+    """' at FILE:LINE in FUNC: CODE' for the innermost frame of ``exc`` outside forge and torch's tracing
+    machinery (the user's step, or the public torch code it called, e.g. an EMA update's ``bool(n_averaged ==
+    0)``): the traced step's errors otherwise name only a symbolic-shape guard or a dispatcher frame."""
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        fn = os.path.abspath(f.filename)
+        if fn.startswith(_FORGE_DIR) or f.filename.startswith("<"):
+            continue
+        if fn.startswith(_TORCH_DIR):
+            parts = fn[len(_TORCH_DIR):].split(os.sep)
+            if parts[0] in ("fx", "autograd", "overrides.py", "utils") and parts[-1] != "checkpoint.py" \
+                    or any(p.startswith("_") for p in parts):
+                continue
+        return f" at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+    return ""
+
+
+def _top_level(modules: dict) -> dict:
+    """Top-level modules only, each once: a submodule also named in the step is already covered by its parent, and
+    a module under two names (``cm = model``), once reparametrized, showed its traced parameters to the second
+    name's lookup (KeyError at capture). With one module there is nothing to drop: this runs at every step, and the
+    walk is not free."""
+    if len(modules) < 2:
+        return modules
+    subs = {id(m) for mod in modules.values() for m in list(mod.modules())[1:]}
+    seen = set()
+    return {n: m for n, m in modules.items() if id(m) not in subs and not (id(m) in seen or seen.add(id(m)))}
 
 
 def _scheduler_classes() -> list:
@@ -279,7 +309,7 @@ class CompiledTrainStep:
         if self._explicit_models is not None:
             ms = self._explicit_models
             ms = ms if isinstance(ms, (list, tuple)) else [ms]
-            modules = {f"model{i}" if len(ms) > 1 else "model": m for i, m in enumerate(ms)}
+            modules = _top_level({f"model{i}" if len(ms) > 1 else "model": m for i, m in enumerate(ms)})
         if self._explicit_optimizers is not None:
             os_ = self._explicit_optimizers
             optimizers = list(os_) if isinstance(os_, (list, tuple)) else [os_]
@@ -407,7 +437,7 @@ class CompiledTrainStep:
             raise
         except Exception as e:
             raise ForgeCaptureError(
-                f"forge: could not capture the train step as one graph ({type(e).__name__}: {e}). "
+                f"forge: could not capture the train step as one graph{_failing_line(e)} ({type(e).__name__}: {e}). "
                 "The step must be traceable: no .item()/float(tensor)/data-dependent Python control flow, "
                 "and no lr-scheduler.step() inside it.") from e
         # an incoming gradient the step never reads (it zeroes gradients first) is no input of the compiled step

@@ -847,3 +847,61 @@ def test_recompilation_is_warned_with_its_cause(caplog):
     assert step.compile_count == 2
     # every component of the cache key has its name in the warning's table
     assert all(len(k) == len(step._KEY_PARTS) for k in step._cache)
+
+
+@pytest.mark.parametrize("how", ["alias", "models"])
+def test_module_named_twice_traces_once_and_matches_eager(how):
+    # `cm = model` (or models=[m, m]): the second name's lookup saw the first's reparametrized (traced) parameters
+    # and the capture raised KeyError (found with an EMA step that names both `cm` and `model`)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    alias = model
+
+    def body(x, y):
+        loss = F.mse_loss(alias(x), y) + 1e-3 * model.fc2.weight.square().sum()
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    step = forge.compile_train_step(body, models=[model, alias] if how == "models" else None)
+    for _ in range(3):
+        x, y = _mlp_batch()
+        step(x, y)
+        (F.mse_loss(ref(x), y) + 1e-3 * ref.fc2.weight.square().sum()).backward(); ref_opt.step(); ref_opt.zero_grad()
+    _assert_same_training(model, opt, ref, ref_opt, how)
+    # fc2's gradient has the penalty's term besides its matmul: unfused, with its reason
+    assert {r.name.split(".", 1)[1] for r in step.last_report.fused} == {"fc1.weight"}
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_matches_eager(reentrant):
+    # torch.utils.checkpoint in the step: the recompute and (reentrant) the nested backward are traced into the
+    # step's graph; the recomputed forward must read each weight before its fused update
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.b1, self.b2 = nn.Embedding(40, 32), Block(32), Block(32)
+            self.head = nn.Linear(32, 40, bias=False)
+
+        def forward(self, x):
+            h = checkpoint(self.b1, self.emb(x), use_reentrant=reentrant)
+            return self.head(checkpoint(self.b2, h, use_reentrant=reentrant))
+
+    model, opt, ref, ref_opt, step = _train_both(Ckpt, lambda p: torch.optim.SGD(p, lr=0.1), _lm_batch, _lm_loss,
+                                                 steps=3)
+    _assert_same_training(model, opt, ref, ref_opt, f"reentrant={reentrant}")
+    assert len(step.last_report.fused) == 10, str(step.last_report)    # 4 per block, the head, the embedding
+
+
+def test_untraceable_step_names_its_line():
+    # the trace's own error names a symbolic guard; the user needs the line that is not traceable
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x, y):
+        loss = F.mse_loss(model(x), y)
+        if loss > 1:       # data-dependent Python control flow
+            loss = loss * 2
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    with pytest.raises(forge.ForgeCaptureError, match=r"test_compile_train_step\.py:\d+ in body: if loss > 1:"):
+        forge.compile_train_step(body)(*_mlp_batch())
