@@ -10,6 +10,7 @@ the configs allow (hidden 32, 2 layers, 4 heads, 2 key/value heads, vocab 96, se
 """
 import copy
 import re
+import sys
 
 import pytest
 import torch
@@ -179,6 +180,25 @@ def test_hf_decoder_matches_torch_optim(family, tied, route):
     _assert_fusion(model, report, prefix, tied, route)
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight   # forge kept the tie
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hf_gradient_checkpointing_step_fuses_and_matches_torch_optim(reentrant, monkeypatch):
+    # transformers' gradient_checkpointing_enable() (the fine-tuning default): compile_train_step traces the
+    # checkpointed layers and their recompute and fuses every projection. (The backend route is exact there too, but
+    # Dynamo runs the checkpointed layers outside its graphs -- transformers 5.25, torch 2.13 -- so they stay unfused.)
+    orig = _make
+
+    def make(family, tied):
+        m = orig(family, tied)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.train()
+        return m
+    monkeypatch.setattr(sys.modules[__name__], "_make", make)
+    model, opt, ref, ref_opt, report, prefix = _train("llama", False, "step")
+    assert model.is_gradient_checkpointing
+    _assert_same(model, opt, ref, ref_opt)
+    _assert_fusion(model, report, prefix, False, "step")
 
 
 @pytest.mark.parametrize("family,tied", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
