@@ -456,7 +456,8 @@ def run_worker(cfg, mem=None):
     Llama = B.load_llama()
     with torch.device(device):
         torch.manual_seed(cfg["seed"])
-        model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"])
+        model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"],
+                      checkpoint=cfg.get("checkpoint", False))
     model.train()
     wl = B.WithLoss(model, cfg["vocab"])
     opt, fused, note = B.build_optimizer(model, route, cfg["lr"], cfg.get("forge_adamw_fused", "auto"))
@@ -534,6 +535,8 @@ def parse_args(argv):
     p.add_argument("--full", action="store_true", help="the full model of bench_train_step.py (8 layers)")
     for k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len"):
         p.add_argument("--" + k.replace("_", "-"), type=int)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer "
+                   "(bench_train_step.py --checkpoint)")
     p.add_argument("--warmup", type=int, default=3, help="steps before the recorded one (the first compiles)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -579,10 +582,11 @@ def main(argv=None):
     cfg0 = dict(mb=args.mb, d_model=args.d_model, layers=args.layers, heads=args.heads, d_ff=args.d_ff,
                 vocab=args.vocab, seq_len=args.seq_len, warmup=args.warmup, lr=args.lr, seed=args.seed,
                 top=args.top, max_entries=args.max_entries, forge_adamw_fused=args.forge_adamw_fused,
-                out=os.path.abspath(args.out), save_snapshot=args.save_snapshot)
+                out=os.path.abspath(args.out), save_snapshot=args.save_snapshot, checkpoint=args.checkpoint)
     header = (f"# profile_memory: one steady-state step per route, micro-batch {args.mb}, Llama d_model "
               f"{args.d_model}, {args.layers} layers, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}, "
-              f"bf16 autocast, fp32 master weights, AdamW; {args.warmup} warm-up steps; torch {torch.__version__}")
+              f"bf16 autocast, fp32 master weights, AdamW; {args.warmup} warm-up steps; torch {torch.__version__}"
+              + ("; activation checkpointing per layer" if args.checkpoint else ""))
     print(header, flush=True)
     parts = [header]
     for route in routes:

@@ -156,7 +156,8 @@ def profile_route(route, args, out):
     Llama = B.load_llama()
     with torch.device(device):
         torch.manual_seed(0)
-        model = Llama(args.d_model, args.layers, args.heads, args.d_ff, args.seq_len, args.vocab)
+        model = Llama(args.d_model, args.layers, args.heads, args.d_ff, args.seq_len, args.vocab,
+                      checkpoint=args.checkpoint)
     wl = B.WithLoss(model, args.vocab)
     opt, fused, note = B.build_optimizer(model, route, 1e-3)
     bf16 = device.type == "cuda"
@@ -217,6 +218,7 @@ def main():
     p.add_argument("--routes", default="baseline,step,backend")
     p.add_argument("--mb", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer")
     p.add_argument("--cprofile", action="store_true", help="also cProfile the steps: DIR/profile_<route>_host.txt")
     for k, v in B.PRESETS["quick"].items():
         if k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len"):
