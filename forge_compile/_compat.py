@@ -212,6 +212,18 @@ def data_parallel_wrapper(modules=(), params=()) -> str | None:
     return None
 
 
+def optimizer_step_hooks(opt) -> list:
+    """The hooks ``opt.step()`` calls besides the update: the optimizer's own (``register_step_pre_hook`` /
+    ``register_step_post_hook``) and the global ones (``register_optimizer_step_pre_hook`` / ``_post_hook``), less
+    forge's own (marked ``_forge_internal``). Private dicts, the same in torch 2.11-2.13."""
+    from torch.optim import optimizer as _opt
+
+    out = [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values()]
+    out += [h for d in (_opt._global_optimizer_pre_hooks, _opt._global_optimizer_post_hooks) for h in d.values()
+            if not getattr(h, "_forge_internal", False)]
+    return out
+
+
 def auto_functionalized():
     """The higher-order op functionalization writes a mutating custom op as (``auto_functionalized``)."""
     return torch.ops.higher_order.auto_functionalized

@@ -176,8 +176,9 @@ def _after_any_step(opt, args, kwargs):
             c.pending = 0
 
 
-# A global hook (not opt.register_step_post_hook): it does not show up in the optimizer's own hooks,
-# which the translation warns about because the fused update cannot run them.
+# A global hook (not opt.register_step_post_hook): it does not show up in the optimizer's own hooks, which the
+# translation warns about; marked so that compile_train_step, which refuses a user's step hooks, skips it.
+_after_any_step._forge_internal = True
 _STEP_HOOK = register_optimizer_step_post_hook(_after_any_step)
 
 

@@ -539,6 +539,15 @@ class CompiledTrainStep:
                     "unwrapped model on one rank, or use plain torch.compile for data-parallel training.")
             self._dp_checked = key
         # checked at every call, before anything runs: a hook registered after the step compiled counts too
+        for opt in optimizers:
+            if _compat.optimizer_step_hooks(opt):
+                raise ForgeCaptureError(
+                    f"forge: compile_train_step cannot run the step hooks of {type(opt).__name__} "
+                    "(register_step_pre_hook / register_step_post_hook, or global register_optimizer_step_*_hook): "
+                    "opt.step() is traced into the step's graph as its updates only, so they would be skipped "
+                    "silently. Nothing was changed. Do their work in the step after opt.step() (traced), remove "
+                    "them, or use torch.compile(model, backend='forge', options={'optimizer': opt}), whose "
+                    "opt.step() runs them.")
         hooked = [n for p, n in zip(walk.params, walk.pnames) if p.requires_grad and _compat.gradient_hooks(p)]
         if hooked:
             raise ForgeCaptureError(

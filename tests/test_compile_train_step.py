@@ -905,3 +905,25 @@ def test_untraceable_step_names_its_line():
         loss.backward(); opt.step(); opt.zero_grad(); return loss
     with pytest.raises(forge.ForgeCaptureError, match=r"test_compile_train_step\.py:\d+ in body: if loss > 1:"):
         forge.compile_train_step(body)(*_mlp_batch())
+
+
+@pytest.mark.parametrize("where", ["pre", "post", "global_post"])
+def test_optimizer_step_hooks_are_refused_before_anything_changed(where):
+    # opt.step() is traced as its updates only: the optimizer's step hooks were skipped silently (an EMA or logging
+    # post-hook never ran). Refused at every call that finds one, a hook added after the compile too.
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _mse_step(model, opt)
+    step(*_mlp_batch())                      # compiled and run without hooks
+    w0 = [p.detach().clone() for p in model.parameters()]
+    hook = lambda *a: None                   # noqa: E731
+    handle = {"pre": lambda: opt.register_step_pre_hook(hook), "post": lambda: opt.register_step_post_hook(hook),
+              "global_post": lambda: register_optimizer_step_post_hook(hook)}[where]()
+    try:
+        with pytest.raises(forge.ForgeCaptureError, match="step hooks"):
+            step(*_mlp_batch())
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), w0))
+    finally:
+        handle.remove()
+    step(*_mlp_batch())                      # without them it runs again

@@ -365,7 +365,9 @@ def plan_and_structure_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[Para
     if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks) and (
             optimizer not in _WARNED_HOOKS):
         _WARNED_HOOKS.add(optimizer)    # planned again at every step: say it once
-        log.warning("forge: %s has step hooks; the fused update does not run them",
+        # (compile_train_step refuses step hooks before planning; this is the backend route's case)
+        log.warning("forge: %s has step hooks: optimizer.step() runs them, but the fused weights were already "
+                    "updated inside loss.backward() (a pre-hook sees them updated, their .grad None)",
                     type(optimizer).__name__)
     return memo[3], memo[4]
 
