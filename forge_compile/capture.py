@@ -114,8 +114,12 @@ def _top_level(modules: dict) -> dict:
     if len(modules) < 2:
         return modules
     subs = {id(m) for mod in modules.values() for m in list(mod.modules())[1:]}
-    seen = set()
-    return {n: m for n, m in modules.items() if id(m) not in subs and not (id(m) in seen or seen.add(id(m)))}
+    out, seen = {}, set(subs)
+    for n, m in modules.items():
+        if id(m) not in seen:
+            seen.add(id(m))
+            out[n] = m
+    return out
 
 
 def _scheduler_classes() -> list:
