@@ -284,6 +284,51 @@ def test_the_graph_reads_the_copies_instead_of_casting(monkeypatch):
         assert readers and all(pos[r] < pos[f] for r in readers)
 
 
+def test_checkpointed_step_reads_the_copies_in_the_recompute_too(monkeypatch):
+    # activation checkpointing runs each block's forward -- its weight casts included -- again in the backward:
+    # both reads take the update's copy (no cast of a fused weight left), and training is bitwise the same
+    from torch.utils.checkpoint import checkpoint
+    from forge_compile.passes import weight_cast_in_update as wc
+
+    class Ckpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.b1, self.b2 = torch.nn.Embedding(40, 32), Block(32), Block(32)
+            self.head = torch.nn.Linear(32, 40, bias=False)
+
+        def forward(self, x):
+            h = checkpoint(self.b1, self.emb(x), use_reentrant=False)
+            return self.head(checkpoint(self.b2, h, use_reentrant=False))
+
+    seen = []
+    real = wc.cast_weights_in_update
+    monkeypatch.setattr(capture, "cast_weights_in_update", lambda gm, *a: seen.append(gm) or real(gm, *a))
+
+    def train(cast):
+        torch.manual_seed(0)
+        m = Ckpt()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+        @forge.compile_train_step(cast_weights_in_update=cast)
+        def step(idx, tgt):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(m(idx).float().flatten(0, 1), tgt.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return m, opt, [step(x, y) for x, y in _lm_batches(4)], step
+
+    on = train(True)
+    _same(on, train(False))
+    assert len(on[3].last_report.fused) == 10       # 4 per block, the head, the embedding (without a copy)
+    gm, = seen
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.forge.wgrad_update_.default]
+    assert len(fused) == 9 and all(n.kwargs.get("cast_out") is not None for n in fused)
+    weights = {n.args[0] for n in fused}
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.args[0] in weights]
+
+
 def _edit_in_place(m, opt, i):
     if i == 2:
         with torch.no_grad():
