@@ -532,7 +532,9 @@ class CompiledTrainStep:
         walk, opt_plans, skeys = self._inputs(modules, optimizers)
         key = tuple(map(id, modules.values()))
         if key != self._dp_checked:      # once per set of modules: a tree walk costs ~10 us per 100 modules
-            wrapper = _compat.data_parallel_wrapper(modules.values(), walk.params)
+            # with models= given, a DDP wrapper the step calls may not be among them: the step's own names too
+            named = discover(self._fn)[0].values() if self._explicit_models is not None else ()
+            wrapper = _compat.data_parallel_wrapper([*modules.values(), *named], walk.params)
             if wrapper is not None:
                 raise ForgeCaptureError(
                     f"forge: compile_train_step cannot train a model under {wrapper}: its gradient synchronisation "

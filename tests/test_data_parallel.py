@@ -49,13 +49,15 @@ def _worker(rank, port, out_dir):
             opt.step()
             opt.zero_grad()
             return loss
-        if route == "step":
-            step = forge.compile_train_step(body)
+        if route.startswith("step"):
+            # "step_models": the inner module given as models=, the step calling the wrapper
+            kw = dict(models=m.module, optimizers=opt) if route == "step_models" else {}
+            step = forge.compile_train_step(body, **kw)
             try:
                 step(x, y)
             except forge.ForgeCaptureError as e:
-                res["step_error"] = str(e)
-                res["step_unchanged"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), w0))
+                res[f"{route}_error"] = str(e)
+                res[f"{route}_unchanged"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), w0))
             return None
         for _ in range(2):
             body(x, y)
@@ -66,6 +68,7 @@ def _worker(rank, port, out_dir):
 
     ref, got = run("eager"), run("backend")
     run("step")
+    run("step_models")
     res["backend_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got, ref))
     spread = 0.0
     for p in got:
@@ -82,8 +85,9 @@ def test_ddp_is_refused_by_the_step_and_left_unfused_by_the_backend(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert "DistributedDataParallel" in res.get("step_error", ""), res
-        assert res["step_unchanged"], res
+        for route in ("step", "step_models"):
+            assert "DistributedDataParallel" in res.get(f"{route}_error", ""), (route, res)
+            assert res[f"{route}_unchanged"], (route, res)
         assert res["backend_fused"] == 0, res
         assert any("DistributedDataParallel" in n for n in res["backend_notes"]), res
         # unfused, the backend is Inductor + DDP: the replicas stay equal and follow eager DDP (two SGD steps,
