@@ -202,8 +202,12 @@ class HFCausalLM(nn.Module):
 
 def build_model(args):
     if args.hf:
-        return HFCausalLM(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len, family=args.hf)
-    return Llama(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len)
+        m = HFCausalLM(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len, family=args.hf)
+        if args.checkpoint_layers:
+            m.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+    return Llama(args.d_model, args.n_layers, args.n_heads, args.d_ff, args.seq_len,
+                 checkpoint=args.checkpoint_layers)
 
 
 def model_name(args):
@@ -633,6 +637,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--checkpoint-layers", action="store_true",
+                   help="activation checkpointing per decoder layer (torch.utils.checkpoint; --hf: transformers' "
+                        "gradient_checkpointing_enable): recomputed in the backward, fused as usual")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="route step: replay the step as one CUDA graph (compile_train_step(cuda_graphs=True))")
     p.add_argument("--recompute-weight-copies", action="store_true",

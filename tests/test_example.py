@@ -61,6 +61,15 @@ def test_route_off_matches_step(step_run_4, tmp_path):
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
 
 
+def test_checkpoint_layers_trains_as_without(step_run_4):
+    # --checkpoint-layers recomputes each layer in the backward: same losses (fp32 on CPU: summation order only),
+    # every projection still fused
+    r = run("--route", "step", "--steps", "4", "--checkpoint-layers")
+    _check_result(r, 4)
+    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(step_run_4["losses"]), rtol=1e-4, atol=1e-5)
+    assert r["fusion_report"].count(" yes ") == step_run_4["fusion_report"].count(" yes ") >= 8
+
+
 @pytest.mark.skipif(not HAS_BACKEND, reason="forge_compile.backend (the Dynamo route) does not exist yet")
 def test_route_backend(step_run_4):
     r = run("--route", "backend", "--steps", "4")
