@@ -183,6 +183,15 @@ def is_rng_state_placeholder(node) -> bool:
     return isinstance(node.meta.get("val"), torch.Generator) or node.name.startswith("fwd_rng_state_")
 
 
+def active_ddp_module():
+    """The DistributedDataParallel module whose forward is running now, or None (one attribute read)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
+
+
 def data_parallel_wrapper(modules=(), params=()) -> str | None:
     """The data-parallel wrapper whose gradient synchronisation a fused update would bypass, or None:
     DistributedDataParallel (its all-reduce runs in autograd hooks on the gradient accumulators; while its forward
@@ -192,7 +201,7 @@ def data_parallel_wrapper(modules=(), params=()) -> str | None:
         return None
     from torch.nn.parallel import DistributedDataParallel
 
-    if DistributedDataParallel._get_active_ddp_module() is not None:
+    if active_ddp_module() is not None:
         return "DistributedDataParallel"
     types = [DistributedDataParallel]
     try:

@@ -466,6 +466,7 @@ class _Compilation:
         # backward has not (reset by opt.step()); see _wrap_backward
         self.param_ids = frozenset(i for i in self.input_ids if i in self.plans)
         self.pending = 0
+        self.under_ddp = False      # the last forward ran inside a DistributedDataParallel's forward
         self.counting = optimizer is not None and fuse and bool(self.param_ids)
         if self.counting:
             _tracker(optimizer).comps.add(self)
@@ -677,6 +678,9 @@ def _first_user(graph, node):
 def _wrap_forward(compiled, comp: "_Compilation"):
     def forge_forward(args):
         comp.pending += 1
+        # a graph compiled before the model was wrapped in DDP (a warm-up or evaluation step first) runs under it
+        # later: its backward must hand every gradient to DDP's all-reduce hooks, i.e. run unfused
+        comp.under_ddp = _compat.active_ddp_module() is not None
         return compiled(args)
 
     forge_forward._boxed_call = True
@@ -775,6 +779,9 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
         return [p for p, a in zip(fused_params, accs) if not _compat.will_accumulate(a)]
 
     def hazard():
+        if comp.under_ddp:
+            return ("the forward ran under DistributedDataParallel (compiled before the wrapping), whose hooks "
+                    "must all-reduce these gradients before the update")
         if comp.pending:
             return ("this graph's forward ran again before this backward (the model is called more "
                     "than once per step, or a forward's backward never ran)")

@@ -38,10 +38,21 @@ def _worker(rank, port, out_dir):
     def run(route):
         torch.manual_seed(0)
         torch._dynamo.reset()
-        m = nn.parallel.DistributedDataParallel(MLP())
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        if route.endswith("_wrapped_later"):
+            # compiled (and fused) outside DDP by a warm-up step on the same batch on both ranks, then wrapped
+            inner = MLP()
+            opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+            fwd = torch.compile(inner, backend="forge", options={"optimizer": opt}) if route.startswith("backend") \
+                else inner
+            ((fwd(torch.ones(8, 16)) ** 2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+            m = cm = nn.parallel.DistributedDataParallel(fwd)
+        else:
+            m = nn.parallel.DistributedDataParallel(MLP())
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            cm = torch.compile(m, backend="forge", options={"optimizer": opt}) if route == "backend" else m
         w0 = [p.detach().clone() for p in m.parameters()]
-        cm = torch.compile(m, backend="forge", options={"optimizer": opt}) if route == "backend" else m
 
         def body(x, y):
             loss = ((cm(x) - y) ** 2).mean()
@@ -67,15 +78,21 @@ def _worker(rank, port, out_dir):
         return [p.detach() for p in m.parameters()]
 
     ref, got = run("eager"), run("backend")
+    ref_later, got_later = run("eager_wrapped_later"), run("backend_wrapped_later")
     run("step")
     run("step_models")
+
+    def spread(params):
+        out = 0.0
+        for p in params:
+            both = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(both, p)
+            out = max(out, (both[0] - both[1]).abs().max().item())
+        return out
     res["backend_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got, ref))
-    spread = 0.0
-    for p in got:
-        both = [torch.empty_like(p) for _ in range(2)]
-        dist.all_gather(both, p)
-        spread = max(spread, (both[0] - both[1]).abs().max().item())
-    res["backend_replica_spread"] = spread
+    res["backend_replica_spread"] = spread(got)
+    res["later_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got_later, ref_later))
+    res["later_replica_spread"] = spread(got_later)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -94,6 +111,9 @@ def test_ddp_is_refused_by_the_step_and_left_unfused_by_the_backend(tmp_path):
         # summation order only)
         assert res["backend_replica_spread"] == 0.0, res
         assert res["backend_vs_eager"] <= 1e-6, res
+        # compiled and fused before the wrapping: under DDP its backward runs unfused (DDP's hooks all-reduce)
+        assert res["later_replica_spread"] == 0.0, res
+        assert res["later_vs_eager"] <= 1e-6, res
 
 
 def test_fsdp_flattened_parameters_are_recognised():
