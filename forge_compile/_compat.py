@@ -183,6 +183,15 @@ def is_rng_state_placeholder(node) -> bool:
     return isinstance(node.meta.get("val"), torch.Generator) or node.name.startswith("fwd_rng_state_")
 
 
+def is_dtensor(t) -> bool:
+    """A torch.distributed DTensor (FSDP2's sharded parameters, tensor parallelism)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def active_ddp_module():
     """The DistributedDataParallel module whose forward is running now, or None (one attribute read)."""
     if not torch.distributed.is_available():

@@ -93,6 +93,26 @@ def _worker(rank, port, out_dir):
     res["backend_replica_spread"] = spread(got)
     res["later_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got_later, ref_later))
     res["later_replica_spread"] = spread(got_later)
+    # FSDP2: its DTensor parameters are declined by the backend with the reason, refused by route 1
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    m2 = MLP()
+    fully_shard(m2, mesh=init_device_mesh("cpu", (2,)))
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    cm2 = torch.compile(m2, backend="forge", options={"optimizer": opt2})
+    ((cm2(x) - y) ** 2).mean().backward()
+    opt2.step()
+    res["fsdp2_backend_notes"] = fb.last_report().notes
+    res["fsdp2_backend_fused"] = len(fb.last_report().fused)
+
+    def body2(x, y):
+        loss = ((m2(x) - y) ** 2).mean(); loss.backward(); opt2.step(); opt2.zero_grad(); return loss
+    try:
+        forge.compile_train_step(body2)(x, y)
+    except forge.ForgeCaptureError as e:
+        res["fsdp2_step_error"] = str(e)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
@@ -111,6 +131,8 @@ def test_ddp_is_refused_by_the_step_and_left_unfused_by_the_backend(tmp_path):
         # summation order only)
         assert res["backend_replica_spread"] == 0.0, res
         assert res["backend_vs_eager"] <= 1e-6, res
+        assert res["fsdp2_backend_fused"] == 0 and any("DTensor" in n for n in res["fsdp2_backend_notes"]), res
+        assert "FSDP2" in res.get("fsdp2_step_error", ""), res
         # compiled and fused before the wrapping: under DDP its backward runs unfused (DDP's hooks all-reduce)
         assert res["later_replica_spread"] == 0.0, res
         assert res["later_vs_eager"] <= 1e-6, res
