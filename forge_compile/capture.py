@@ -66,6 +66,14 @@ def _code_names(code: types.CodeType) -> set:
 
 def discover(fn):
     """The modules and optimizers ``fn`` refers to (closure cells and globals it names)."""
+    found = _referenced(fn)
+    modules = {n: o for n, o in found.items() if isinstance(o, nn.Module)}
+    optimizers = [o for o in found.values() if isinstance(o, torch.optim.Optimizer)]
+    return _top_level(modules), optimizers
+
+
+def _referenced(fn) -> dict:
+    """The objects ``fn`` names: its closure cells, the globals its code reads, and ``self`` of a bound method."""
     fn = inspect.unwrap(fn)
     found = {}
     if fn.__closure__:
@@ -80,9 +88,7 @@ def discover(fn):
             found[name] = g[name]
     if isinstance(getattr(fn, "__self__", None), nn.Module):
         found["self"] = fn.__self__
-    modules = {n: o for n, o in found.items() if isinstance(o, nn.Module)}
-    optimizers = [o for o in found.values() if isinstance(o, torch.optim.Optimizer)]
-    return _top_level(modules), optimizers
+    return found
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -535,6 +541,13 @@ class CompiledTrainStep:
             # with models= given, a DDP wrapper the step calls may not be among them: the step's own names too
             named = discover(self._fn)[0].values() if self._explicit_models is not None else ()
             wrapper = _compat.data_parallel_wrapper([*modules.values(), *named], walk.params)
+            if any(isinstance(o, torch.amp.GradScaler) for o in _referenced(self._fn).values()):
+                # its unscale_ reads the real parameters' .grad, which the traced step never sets: the trace failed
+                # with "No inf checks were recorded for this optimizer"
+                raise ForgeCaptureError(
+                    "forge: compile_train_step does not support torch.amp.GradScaler (fp16 loss scaling): its "
+                    "unscaling and inf checks are host-side decisions on the gradients. Nothing was changed. Use "
+                    "bf16 autocast, which needs no scaler, or train fp16 without forge.")
             if wrapper is not None:
                 raise ForgeCaptureError(
                     f"forge: compile_train_step cannot train a model under {wrapper}: its gradient synchronisation "

@@ -927,3 +927,20 @@ def test_optimizer_step_hooks_are_refused_before_anything_changed(where):
     finally:
         handle.remove()
     step(*_mlp_batch())                      # without them it runs again
+
+
+def test_grad_scaler_is_refused_with_its_reason():
+    # GradScaler's unscale_ reads the real parameters' .grad, which the traced step never sets: the trace used to
+    # fail with "No inf checks were recorded for this optimizer"
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    w0 = [p.detach().clone() for p in model.parameters()]
+
+    def body(x, y):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x), y)
+        scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad(); return loss
+    with pytest.raises(forge.ForgeCaptureError, match="does not support torch.amp.GradScaler"):
+        forge.compile_train_step(body)(*_mlp_batch())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), w0))
