@@ -118,7 +118,7 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def test_ddp_is_refused_by_the_step_and_left_unfused_by_the_backend(tmp_path):
+def test_data_parallel_is_refused_by_the_step_and_left_unfused_by_the_backend(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
