@@ -53,6 +53,21 @@ class TinyLM(nn.Module):
         return self.head(self.block(self.emb(idx)))
 
 
+class CheckpointedLM(nn.Module):
+    """TinyLM's shape with two Blocks, each under torch.utils.checkpoint (recomputed in the backward)."""
+
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb, self.b1, self.b2 = nn.Embedding(40, 32), Block(32), Block(32)
+        self.head = nn.Linear(32, 40, bias=False)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(self.b1, self.emb(x), use_reentrant=self.reentrant)
+        return self.head(checkpoint(self.b2, h, use_reentrant=self.reentrant))
+
+
 def mse_route_step(route, model, opt, inductor_options=None):
     """The MSE train step of ``model`` and ``opt`` through one forge route ("step": compile_train_step, "backend":
     torch.compile(backend="forge")), both compiled with ``inductor_options`` (e.g. cpp_wrapper, CUDA graphs);

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import forge_compile as forge
-from models import MLP, Block, TinyLM, halve_grad
+from models import MLP, CheckpointedLM, TinyLM, halve_grad
 
 # Tolerances: the fused path computes the same update function, but its matmuls (row blocks of dW,
 # whole-graph Inductor kernels for the rest) sum in another order than eager torch, and fp32 rounding
@@ -875,19 +875,7 @@ def test_module_named_twice_traces_once_and_matches_eager(how):
 def test_activation_checkpointing_matches_eager(reentrant):
     # torch.utils.checkpoint in the step: the recompute and (reentrant) the nested backward are traced into the
     # step's graph; the recomputed forward must read each weight before its fused update
-    from torch.utils.checkpoint import checkpoint
-
-    class Ckpt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.b1, self.b2 = nn.Embedding(40, 32), Block(32), Block(32)
-            self.head = nn.Linear(32, 40, bias=False)
-
-        def forward(self, x):
-            h = checkpoint(self.b1, self.emb(x), use_reentrant=reentrant)
-            return self.head(checkpoint(self.b2, h, use_reentrant=reentrant))
-
-    model, opt, ref, ref_opt, step = _train_both(Ckpt, lambda p: torch.optim.SGD(p, lr=0.1), _lm_batch, _lm_loss,
+    model, opt, ref, ref_opt, step = _train_both(lambda: CheckpointedLM(reentrant), lambda p: torch.optim.SGD(p, lr=0.1), _lm_batch, _lm_loss,
                                                  steps=3)
     _assert_same_training(model, opt, ref, ref_opt, f"reentrant={reentrant}")
     assert len(step.last_report.fused) == 10, str(step.last_report)    # 4 per block, the head, the embedding

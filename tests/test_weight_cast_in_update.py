@@ -17,7 +17,7 @@ from forge_compile import capture
 from forge_compile.kernels.wgrad_update import wgrad_update, wgrad_update_table
 from forge_compile.optim import rules as cat
 from interpreter import run_child
-from models import Block, TinyLM, rerun_recorder
+from models import Block, CheckpointedLM, TinyLM, rerun_recorder
 
 HAS_CUDA = torch.cuda.is_available()
 ADAMW = cat.adamw_rule()
@@ -287,18 +287,7 @@ def test_the_graph_reads_the_copies_instead_of_casting(monkeypatch):
 def test_checkpointed_step_reads_the_copies_in_the_recompute_too(monkeypatch):
     # activation checkpointing runs each block's forward -- its weight casts included -- again in the backward:
     # both reads take the update's copy (no cast of a fused weight left), and training is bitwise the same
-    from torch.utils.checkpoint import checkpoint
     from forge_compile.passes import weight_cast_in_update as wc
-
-    class Ckpt(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.b1, self.b2 = torch.nn.Embedding(40, 32), Block(32), Block(32)
-            self.head = torch.nn.Linear(32, 40, bias=False)
-
-        def forward(self, x):
-            h = checkpoint(self.b1, self.emb(x), use_reentrant=False)
-            return self.head(checkpoint(self.b2, h, use_reentrant=False))
 
     seen = []
     real = wc.cast_weights_in_update
@@ -306,7 +295,7 @@ def test_checkpointed_step_reads_the_copies_in_the_recompute_too(monkeypatch):
 
     def train(cast):
         torch.manual_seed(0)
-        m = Ckpt()
+        m = CheckpointedLM()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
         @forge.compile_train_step(cast_weights_in_update=cast)
