@@ -936,12 +936,11 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
     decline = None
     if optimizer is not None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        wrapper = _compat.data_parallel_wrapper(params=params)
         if any(map(_compat.is_dtensor, params)):
             # said up front: under FSDP2 (2-rank CPU run) the backward's report listed 0 of 0 updates, no reason
             decline = ("nothing fused: the optimizer's parameters are DTensors (FSDP2's fully_shard or tensor "
                        "parallelism), which fusion does not support yet")
-        elif wrapper is not None:
+        elif (wrapper := _compat.data_parallel_wrapper(params=params)) is not None:
             # the wrapper's hooks all-reduce (reduce-scatter) each gradient after backward computes it; a fused
             # update inside the backward would apply this rank's local gradient: unfused, training is DDP's own
             decline = (f"nothing fused: the model runs under {wrapper}, whose gradient synchronisation across "

@@ -306,7 +306,7 @@ class CompiledTrainStep:
         self._explicit_optimizers = optimizers
         self._cache: dict = {}
         self._reads = WeakIdKeyDictionary()     # optimizer -> _OptimizerReads
-        self._dp_checked = None                  # ids of the modules last found free of data-parallel wrappers
+        self._checked_modules = None     # ids of the modules last found free of data-parallel wrappers / GradScaler
         self.compile_count = 0
         self.last_report: FusionReport | None = None
 
@@ -537,11 +537,12 @@ class CompiledTrainStep:
         modules, optimizers = self._targets()
         walk, opt_plans, skeys = self._inputs(modules, optimizers)
         key = tuple(map(id, modules.values()))
-        if key != self._dp_checked:      # once per set of modules: a tree walk costs ~10 us per 100 modules
-            # with models= given, a DDP wrapper the step calls may not be among them: the step's own names too
-            named = discover(self._fn)[0].values() if self._explicit_models is not None else ()
-            wrapper = _compat.data_parallel_wrapper([*modules.values(), *named], walk.params)
-            if any(isinstance(o, torch.amp.GradScaler) for o in _referenced(self._fn).values()):
+        if key != self._checked_modules:     # once per set of modules: a tree walk costs ~10 us per 100 modules
+            named = _referenced(self._fn).values()
+            # with models= given, a DDP wrapper the step calls may not be among them: the step's own modules too
+            wrapper = _compat.data_parallel_wrapper(
+                [*modules.values(), *(o for o in named if isinstance(o, nn.Module))], walk.params)
+            if any(isinstance(o, torch.amp.GradScaler) for o in named):
                 # its unscale_ reads the real parameters' .grad, which the traced step never sets: the trace failed
                 # with "No inf checks were recorded for this optimizer"
                 raise ForgeCaptureError(
@@ -556,7 +557,7 @@ class CompiledTrainStep:
                     "replicas would drift apart silently. Nothing was changed. Data parallelism is not supported "
                     "(the roadmap's tensor parallelism is: each rank's dW of its shard is complete there). Train the "
                     "unwrapped model on one rank, or use plain torch.compile for data-parallel training.")
-            self._dp_checked = key
+            self._checked_modules = key
         # checked at every call, before anything runs: a hook registered after the step compiled counts too
         for opt in optimizers:
             if _compat.optimizer_step_hooks(opt):
