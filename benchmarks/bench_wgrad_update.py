@@ -2,7 +2,7 @@
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
                                                            splitovl|hoist|math|tf32|e2e|cast|l2pf|splittune|
-                                                           concurrent] [--plot PNG]
+                                                           concurrent|group] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -22,7 +22,8 @@ kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GCon
 the split kernel with its next tile's W/states prefetched into L2 (GConfig.l2pf) vs without; "splittune"
 (splittune_sweep): the split kernel's hoist / tile-order group / load eviction hint; "concurrent"
 (concurrent_sweep): the fused kernel on a side stream beside a dX GEMM vs the two in sequence
-(set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does.
+(set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does. "group" (group_sweep): G
+weights in G launches vs the same rows as one stacked weight in one launch (the most a grouped launch could gain).
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -56,6 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from forge_compile.kernels import wgrad_update_autotune as at  # noqa: E402
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
+from forge_compile.kernels import wgrad_update_group as grp  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
 
@@ -697,6 +699,77 @@ def concurrent_sweep(args, log):
     return all_ok
 
 
+# (G, N, K): weights of one decoder layer that read the same X in the backward, as the e2e model has them -- q/k/v
+# (3 x 2048x2048), gate/up (2 x 5632x2048) -- and 4 x 2048x2048 (q/k/v/o: a grouped launch need not share X)
+GROUP_CASES = [(3, 2048, 2048), (2, 5632, 2048), (4, 2048, 2048)]
+GROUP_MS = (1024, 2048, 4096)
+
+
+def group_sweep(args, log):
+    """Is one persistent launch over several weights worth building (stop 24's lever "several weights in one
+    launch": 2048x2048 has ~2 tiles per SM, so the split kernel is mostly pipeline fill and drain)? Its upper
+    bound, without writing the grouped kernel: G weights [N, K] updated by G launches in sequence (what a step runs
+    today) vs the same rows as ONE [G*N, K] weight (dY [M, G*N]) in one launch -- the same tiles and bytes with G
+    times the tiles per launch. Same config for both (pick_gconfig at M), so each tile's arithmetic is the same:
+    checked bitwise first (W and states of the stacked launch vs the G separate ones). gain = sep / stacked: what
+    a grouped launch could save at most (it also pays a per-tile choice of pointers); ~1.0 says don't build it.
+    grouped = the real thing (kernels/wgrad_update_group.launch_group over the G separate allocations), checked
+    bitwise against the G separate launches; gain_grp = sep / grouped. Unfused = G x (cuBLAS mm +
+    torch._fused_adamw_) for the ratios. False when a check failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    for g, n, k in GROUP_CASES:
+        for m in GROUP_MS:
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, g * n, k, m, seed=m)
+            cfg = wg.pick_gconfig(m, 3, 2)
+            dy = dy_t.t()
+            parts = []
+            for i in range(g):
+                rows_i = slice(i * n, (i + 1) * n)
+                parts.append((w[rows_i].clone(), dy[:, rows_i].contiguous().t(),
+                              [s.clone() if s.dim() == 0 else s[rows_i].clone() for s in st]))
+            # the grouped launch's members: their own allocations, copies of the parts before any launch
+            gparts = [(wi.clone(), dyi, [s.clone() for s in sti]) for wi, dyi, sti in parts]
+            sep = [wg.bound_launch(wi, dyi, x, sti, hp, rule, config=cfg) for wi, dyi, sti in parts]
+            stacked = wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg)
+            gargs = ([p[0] for p in gparts], [p[1] for p in gparts], x, [p[2] for p in gparts], [hp] * g, rule)
+            grouped = grp.bound_launch_group(*gargs)
+            stacked()
+            for f in sep:
+                f()
+            grouped()
+            torch.cuda.synchronize()
+            ok = all(torch.equal(w[i * n:(i + 1) * n], wi) and all(
+                torch.equal(s[i * n:(i + 1) * n], si) for s, si in zip(st, sti) if s.dim())
+                for i, (wi, _, sti) in enumerate(parts))
+            ok_g = all(torch.equal(wg_, wi) and all(torch.equal(a, b) for a, b in zip(sg, sti) if a.dim())
+                       for (wg_, _, sg), (wi, _, sti) in zip(gparts, parts))
+            all_ok &= ok and ok_g
+            unf = [make_unfused("adamw", rule, wi, dyi, x, sti, hp)[0] for wi, dyi, sti in parts]
+            t = {"unfused": bench(lambda: [f() for f in unf]), "sep": bench(lambda: [f() for f in sep]),
+                 "stacked": bench(stacked), "grouped": bench(grouped)}
+            t["floor"] = floor_ms(rule, g * n, k, m)
+            t["unf/sep"] = t["unfused"] / t["sep"]
+            t["unf/grp"] = t["unfused"] / t["grouped"]
+            t["gain"] = t["sep"] / t["stacked"]
+            t["gain_grp"] = t["sep"] / t["grouped"]
+            rows.append((g, n, k, m, t))
+            log(f"adamw {g}x{n}x{k} M={m} ({cfg.epi if cfg else 'triton'}): "
+                + " | ".join(f"{a} {v:.4f}" for a, v in t.items()) + ("" if ok else " | STACKED CHECK FAILED")
+                + ("" if ok_g else " | GROUPED CHECK FAILED"))
+            del w, dy_t, dy, x, st, parts, gparts, sep, unf, grouped
+            torch.cuda.empty_cache()
+    keys = list(rows[0][4])
+    log("\n" + f"{'G x N x K':>14} {'M':>5} " + " ".join(f"{a:>9}" for a in keys))
+    for g, n, k, m, t in rows:
+        log(f"{f'{g}x{n}x{k}':>14} {m:>5} " + " ".join(f"{t[a]:>9.4f}" for a in keys))
+    return all_ok
+
+
 # (rule, N, K, Ms): AdamW on 4096x4096 and the e2e shapes; SGD-momentum where its pick for the copy is the smem
 # kernel instead of the TMA ring (M <= 1024, pick_for) and where it is the split kernel (2048)
 CAST_CASES = ([("adamw", n, k, (1024, 2048, 4096)) for n, k in [(4096, 4096)] + E2E_SHAPES]
@@ -975,7 +1048,7 @@ def main():
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
                                                                  "math", "tf32", "e2e", "cast", "l2pf",
-                                                                 "splittune", "concurrent"])
+                                                                 "splittune", "concurrent", "group"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -998,8 +1071,8 @@ def main():
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
     if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast", "l2pf",
-                      "splittune", "concurrent"):
-        ok = {"l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
+                      "splittune", "concurrent", "group"):
+        ok = {"group": group_sweep, "l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
               "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")

@@ -66,6 +66,9 @@ def _specs(args):
                 yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
                       f"{'/tf32' if args.tf32 else ''}{'/' + side if side else ''}", rules[rname], cname, "triton", side
         for lname in filter(lambda v: v != "none", args.layouts.split(",")):
+            if lname == "group":   # several weights in one launch (wgrad_update_group): no table, no side output
+                yield f"{rname}/group", rules[rname], None, "group", None
+                continue
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
                 sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
                          + (["tied"] if args.tied else []))
@@ -121,6 +124,24 @@ def compile_one(rule, cfg, table, side, n, k, m):
     return _ptxas_row(ck)
 
 
+def compile_group(rule, n, k, m, members=3):
+    """The grouped kernel (kernels/wgrad_update_group.py) for ``members`` weights [n, k] (the last one n - 56 rows
+    long: a ragged member) sharing x [m, k]."""
+    from forge_compile.kernels import wgrad_update_group as gr
+
+    gen = torch.Generator().manual_seed(0)
+    ns = [n] * (members - 1) + [n - 56]
+    ws = [torch.randn(r, k, generator=gen) for r in ns]
+    sts = [[torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(r, k, generator=gen)
+            for i in range(len(rule.states))] for r in ns]
+    dys = [torch.randn(m, r, generator=gen).bfloat16().t() for r in ns]
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
+    kernel, grid, kargs, opts = gr._prepare(ws, dys, x, sts, [hp] * members, rule, max_ctas=132,
+                                            check_device=False)[:4]
+    return _ptxas_row(kernel.warmup(*kargs, grid=grid, **opts))
+
+
 def compile_triton(rule, name, act, tf32, side, n, k, m):
     """The Triton kernel (config ``name``) for sm_90: as compile_one, the launch prepared on CPU tensors (``side``:
     None, "cast" -- the new W's bf16 copy -- or "tied" -- a tied embedding's rows added to dW)."""
@@ -164,7 +185,8 @@ def _ptxas_row(ck):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rules", default="adamw,sgdm,lion")
-    ap.add_argument("--layouts", default="tma,smem,split,vec")
+    ap.add_argument("--layouts", default="tma,smem,split,vec",
+                    help="Gluon layouts (and 'group': the grouped kernel of kernels/wgrad_update_group.py)")
     ap.add_argument("--table", choices=["off", "on", "both"], default="both",
                     help="kernels taking their scalars as arguments (off), from a table row (on), or both")
     ap.add_argument("--grad-out", action="store_true", help="also the variants that store dW (exactness tests)")
@@ -187,6 +209,7 @@ def main(argv=None):
         t0 = time.time()
         try:
             row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
+                   else compile_group(rule, n, k, m) if table == "group"
                    else compile_one(rule, cfg, table, side, n, k, m))
         except Exception as e:   # report and go on
             failed.append(name)

@@ -1233,36 +1233,15 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, ext
     (smem, split): a tied embedding's gradient rows added to dW (_EXTRA_FN)."""
     if extra and epi not in ("smem", "split"):
         raise GluonUnsupported(f"tied embedding rows in the {epi!r} epilogue")
-    if ep.target != "cuda":
-        raise GluonUnsupported(f"epilogue target {ep.target!r}")
+    if epi == "gemm":
+        return (_HEAD + _GEMM_KERNEL).format(**_common_fields(ep, table))
+    if epi in ("smem", "split"):
+        return (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
+            **render_fields(ep, table, extra))
+    common = _common_fields(ep, table)
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in ("p", *states)]
     i12, i8, i4 = " " * 12, " " * 8, " " * 4
-    common = dict(
-        rule=ep.rule_name,
-        roll=any(op in ep.body for op in _ROLL_OPS),
-        state_vars="".join(f"{s}, " for s in states),
-        scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
-        **scalar_fields(ep, table, "scal_ptr", "gl.load"),
-        body=_to_gluon(ep.body) if ep.body.strip() else "    pass",
-        outputs=", ".join(_to_gluon(o) for o in ep.outputs),
-        new_vars=", ".join(new_vars),
-        new_p=new_vars[0],
-    )
-    if epi == "gemm":
-        return (_HEAD + _GEMM_KERNEL).format(**common)
-    if epi in ("smem", "split"):
-        return (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
-            **common,
-            carry="".join(f"{v}, " for v in ("p", *states)),
-            state_ptrs="".join(f"{s}_ptr, " for s in states) + ("e_ptr, p_ptr, " if extra else ""),
-            extra_fn=_EXTRA_FN if extra else "", extra_add=_EXTRA_ADD if extra else "",
-            extra_add_at=_EXTRA_ADD_AT if extra else "",
-            smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
-            pf_states="\n".join(f"{i4}_l2_pf({s}_ptr + offs, nbs, ok)" for s in states),
-            smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
-                                   "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
-        )
     if epi == "vec":
         return (_HEAD + _SPLITS + _VEC_KERNEL).format(
             **common,
@@ -1291,6 +1270,44 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, ext
         alloc_out_states="\n".join(f"{i8}{s}_obufs = gl.allocate_shared_memory(w_desc.dtype, OSLOT, w_desc.layout)"
                                    for s in states),
         alias_out_states="\n".join(f"{i8}{s}_obufs = {s}_bufs" for s in states),
+    )
+
+
+def _common_fields(ep: Epilogue, table: bool) -> dict:
+    # the names every module's pieces (_HEAD) are formatted with
+    if ep.target != "cuda":
+        raise GluonUnsupported(f"epilogue target {ep.target!r}")
+    states = ep.tensor_inputs[2:]
+    new_vars = [f"new_{v}" for v in ("p", *states)]
+    return dict(
+        rule=ep.rule_name,
+        roll=any(op in ep.body for op in _ROLL_OPS),
+        state_vars="".join(f"{s}, " for s in states),
+        scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
+        **scalar_fields(ep, table, "scal_ptr", "gl.load"),
+        body=_to_gluon(ep.body) if ep.body.strip() else "    pass",
+        outputs=", ".join(_to_gluon(o) for o in ep.outputs),
+        new_vars=", ".join(new_vars),
+        new_p=new_vars[0],
+    )
+
+
+def render_fields(ep: Epilogue, table: bool = False, extra: bool = False) -> dict:
+    """The names the smem-epilogue modules (_HEAD + _SMEM_EPI + a kernel after them) are formatted with; the
+    grouped kernel (wgrad_update_group) is rendered with them too."""
+    states = ep.tensor_inputs[2:]
+    new_vars = [f"new_{v}" for v in ("p", *states)]
+    i4 = " " * 4
+    return dict(
+        **_common_fields(ep, table),
+        carry="".join(f"{v}, " for v in ("p", *states)),
+        state_ptrs="".join(f"{s}_ptr, " for s in states) + ("e_ptr, p_ptr, " if extra else ""),
+        extra_fn=_EXTRA_FN if extra else "", extra_add=_EXTRA_ADD if extra else "",
+        extra_add_at=_EXTRA_ADD_AT if extra else "",
+        smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
+        pf_states="\n".join(f"{i4}_l2_pf({s}_ptr + offs, nbs, ok)" for s in states),
+        smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
+                               "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
     )
 
 

@@ -1,0 +1,356 @@
+"""Several weights' fused wgrad+update in ONE persistent launch (Gluon, sm_90): ``launch_group``.
+
+Why (benchmarks/RESULTS.md "Several weights in one launch", H200): a 2048x2048 weight has 256 [128, 128] tiles,
+~2 per SM, so the split kernel (v12) is mostly pipeline fill and drain -- the first tile's GEMM and the last tile's
+epilogue run unhidden. Stacking the rows of the weights that read the same X in the backward (q/k/v, gate/up) into
+one launch gives each SM G times the tiles: measured as one [G*N, K] weight, 1.13x (q/k/v) / 1.10x (gate/up) /
+1.16-1.19x (4 x 2048x2048) faster than G launches at M = 1024-2048 tokens.
+
+What it computes -- the spec is the G separate launches: for every member g,
+    W_g, *states_g = rule(W_g, dY_gᵀ X, *states_g, *hparams)
+bit for bit as ``wgrad_update_gluon.launch(..., config=config)`` on that member alone with the same config (each
+[128, 128] tile's GEMM and epilogue are the same instructions on the same data; only which CTA takes which tile
+differs). tests/test_wgrad_update_group.py checks that on the GPU.
+
+How: the kernel is v12's split kernel (one MMA warpgroup, two epilogue warpgroups, the GEMM loader) over the
+members' rows stacked, [sum N_g, K]: tile rows [start_g, start_g + N_g) belong to member g. Every member but the
+last has N_g % 128 == 0, so no tile straddles two members. The GEMM loader reads a tile's dY panel through member
+g's TMA descriptor (up to G_MAX descriptors, an if-chain on the tile's first row); X is shared. The epilogue
+addresses member g's W and states from member 0's pointers plus one element offset per array and member, computed
+on the host from the data pointers: ptr_0 + (ptr_g - ptr_0) / 4 - start_g * K + row * K + col is element
+(row - start_g, col) of member g's array. The offsets are passed in units of 4 elements (16 bytes), so the
+compiler keeps the 16-byte vector loads it proves for the single-weight kernel. Tile bases are hoisted per tile
+(GConfig.hoist), the offsets carried with them.
+
+The rule's scalars (lr, bias corrections, ...) are taken once for the group: every member's host scalars must be
+equal (same hyperparameters, same step count), else ``group_reason`` says why and the caller launches them one by
+one. No side output (dW, the cast copy), no tied-embedding rows, no scalar table yet: those stay on the
+single-weight launches.
+
+Read top to bottom: the kernel template (rendered after the split kernel's module, whose pieces it calls), the
+host checks, the launcher.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..optim.rule import Rule
+from . import wgrad_update_gluon as wg
+from .epilogue_codegen import load_kernel_module
+from .wgrad_update_triton import host_scalars, split_states
+
+__all__ = ["G_MAX", "group_config", "group_reason", "launch_group", "bound_launch_group", "render_group_source"]
+
+G_MAX = 4                 # members per launch: the loader's descriptor if-chain and the offsets' argument count
+_NO_START = 2 ** 31 - 1   # first row of an absent member: no tile reaches it
+
+
+def group_config() -> wg.GConfig:
+    """The split kernel's config with hoisted tile bases and 160 registers per epilogue warpgroup (the MMA
+    warpgroup gets 168): the per-tile member offsets need ~8 more than the single-weight kernel, whose 152 spill
+    72 B here (AdamW; 0 B at 160, sm_90 compile, 16-byte vector loads/stores as in the single-weight kernel)."""
+    return wg.split_config(hoist=True, eregs=160)
+
+_GROUP_KERNEL = '''
+
+@gluon.jit
+def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n,
+                  num_k, s1, s2, s3, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    # _gemm_loader over the stacked rows: a tile's dY panel comes from its member's descriptor, at the tile's first
+    # row minus the member's first row
+    BMT: gl.constexpr = dy_desc0.block_type.shape[0]
+    BN: gl.constexpr = dy_desc0.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    ksteps = gl.cdiv(M, BMT)
+    it = 0
+    for t in range(pid, num_tiles, nprog):
+        pid_n, pid_k = _tile_coords(t, num_n, num_k, GROUP)
+        row0 = pid_n * BN
+        for ks in range(ksteps):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, dy_desc0.block_type.nbytes + x_desc.block_type.nbytes)
+            if row0 < s1:
+                tma.async_copy_global_to_shared(dy_desc0, [ks * BMT, row0], bar, a_bufs.index(s))
+            elif row0 < s2:
+                tma.async_copy_global_to_shared(dy_desc1, [ks * BMT, row0 - s1], bar, a_bufs.index(s))
+            elif row0 < s3:
+                tma.async_copy_global_to_shared(dy_desc2, [ks * BMT, row0 - s2], bar, a_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(dy_desc3, [ks * BMT, row0 - s3], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(x_desc, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _group_base(t, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN: gl.constexpr, BK: gl.constexpr,
+                GROUP: gl.constexpr):
+    # first row/column of tile t in the stacked rows, then per array the element offset from member 0's pointer
+    # to the tile's member (offsets passed as increments per member, in 16-byte units)
+    row0, col0 = _tile_base(t, num_tiles, num_n, num_k, BN, BK, GROUP)
+    g1 = (row0 >= s1).to(gl.int32)
+    g2 = (row0 >= s2).to(gl.int32)
+    g3 = (row0 >= s3).to(gl.int32)
+    return (row0, col0, {gdelta_selects})
+
+
+@gluon.jit
+def _group_ahead0(t0, C0: gl.constexpr, base, w_ptr, {state_ptrs}num_tiles, N, K, BK: gl.constexpr,
+                  R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr):
+    ahead = ()
+    for d in gl.static_range(AHEAD):
+        offs, msk = _chunk_at(base[0], base[1], t0, C0 + d, num_tiles, N, K, BK, R, ROWS_L, BIG)
+        ahead += (_smem_load_at(offs, msk, {ptrs_cur}LD_EV), )
+    return ahead
+
+
+@gluon.jit
+def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, num_tiles, N, K,
+                BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr,
+                LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
+    # _smem_step_at with each array's pointer moved to the tile's member (base[2:], base_nx[2:] for the chunk
+    # loaded ahead when it lies in the warpgroup's next tile)
+    nx = (c + AHEAD) // CNT
+    offs, msk = _chunk_at(base[0] + nx * (base_nx[0] - base[0]), base[1] + nx * (base_nx[1] - base[1]),
+                          t + nx * tstep, C0 + (c + AHEAD) % CNT, num_tiles, N, K, BK, R, L, BIG)
+    nxt = _smem_load_at(offs, msk, {ptrs_nx}LD_EV)
+    {carry} = ahead[0]
+    g = dw.index(C0 + c).load(L)
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params})
+    offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
+    _smem_store_at(offs, msk, {new_vars}, g, {ptrs_cur}g_ptr, 0, ST_EV, ST_CM)
+    return ahead[1:] + (nxt, )
+
+
+@gluon.jit
+def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+               {gdelta_params}H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
+               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
+               ST_CM: gl.constexpr):
+    # _split_epi (one dW tile, hoisted tile bases) over the stacked rows
+    CNT: gl.constexpr = BN // 2 // R
+    gl.static_assert(AHEAD <= CNT)
+    L: gl.constexpr = ROWS_L
+    dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    base = _group_base(pid, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
+    ahead = _group_ahead0(pid, H * CNT, base, w_ptr, {state_ptrs}num_tiles, N, K, BK, R, AHEAD, BIG, LD_EV)
+    r = 0
+    for t in range(pid, num_tiles, nprog):
+        mbarrier.wait(dw_bar.index(0), r & 1)
+        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
+        for c in range(CNT):
+            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
+                                num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
+        base = base_nx
+        gl.thread_barrier()
+        mbarrier.arrive(dw_bar.index(1))
+        r += 1
+
+
+@gluon.jit
+def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+                {gdelta_params}BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
+                AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr):
+    _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+               {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)
+
+
+@gluon.jit
+def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_ptr, {state_ptrs}g_ptr,
+                              {kernel_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
+                              GROUP: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr,
+                              BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BN: gl.constexpr = dy_desc0.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(num_warps == 4)
+{scalar_loads}    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
+    K = gl.multiple_of(K, 8)
+    num_n = gl.cdiv(N, BN)
+    num_k = gl.cdiv(K, BK)
+    num_tiles = num_n * num_k
+
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc0, x_desc, STAGES)
+    dw = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_LAYOUT)
+    # dw_bar[0] "full" (the MMA warpgroup), dw_bar[1] "empty" (both epilogue warpgroups)
+    dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(dw_bar.index(0), count=1)
+    mbarrier.init(dw_bar.index(1), count=2)
+
+    gl.warp_specialize([
+        (_split_mma, (dy_desc0, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
+        (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+                      {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2,
+                       s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles,
+                         num_n, num_k, s1, s2, s3, GROUP, STAGES)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+'''
+
+
+def render_group_source(ep) -> str:
+    """The grouped kernel's module for one rule's epilogue: the split kernel's module (its pieces: _rule, tile
+    order, GEMM ring and MMA warpgroup, chunk loads/stores) followed by _GROUP_KERNEL."""
+    fields = wg.render_fields(ep)
+    arrays = ["w", *ep.tensor_inputs[2:]]
+    # the offsets are int32 16-byte units (group_reason: arrays within 32 GiB): two fewer registers each than an
+    # int64, and the scale by 4 elements keeps the pointers' 16-byte alignment provable
+    cur = [f"{a}_ptr + base[{2 + i}].to(gl.int64) * 4" for i, a in enumerate(arrays)]
+    nxt = [f"{a}_ptr + (base[{2 + i}] + nx * (base_nx[{2 + i}] - base[{2 + i}])).to(gl.int64) * 4"
+           for i, a in enumerate(arrays)]
+    group = dict(
+        gdelta_params="".join(f"{a}_e{j}, " for a in arrays for j in (1, 2, 3)),
+        gdelta_selects=", ".join(f"g1 * {a}_e1 + g2 * {a}_e2 + g3 * {a}_e3" for a in arrays),
+        ptrs_cur="".join(f"{p}, " for p in cur),
+        ptrs_nx="".join(f"{p}, " for p in nxt),
+    )
+    return wg.render_gluon_source(ep, "split") + _GROUP_KERNEL.format(**fields, **group)
+
+
+_KERNELS: dict[str, object] = {}
+_LOCK = threading.Lock()
+
+
+def _kernel_for(rule: Rule):
+    kern = _KERNELS.get(rule.name)
+    if kern is None:
+        ep, src, why = wg._source_for(rule)
+        if src is None:
+            raise wg.GluonUnsupported(why)
+        kern = load_kernel_module(render_group_source(ep), f"gluon_group_{ep.source_key}").wgrad_update_group_kernel
+        with _LOCK:
+            _KERNELS.setdefault(rule.name, kern)
+    return _KERNELS[rule.name]
+
+
+def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
+                 check_device: bool = True) -> str | None:
+    """None when these G members can run as one ``launch_group``, else why not (the caller then launches them one
+    by one). ``dys_t[g]`` is member g's dY transposed ([N_g, M]), ``states_list[g]`` its rule states,
+    ``hparams_list[g]`` its hyperparameters. ``check_device=False`` skips what needs an sm_90 GPU (CPU tests of the
+    structural checks)."""
+    g = len(weights)
+    if not 2 <= g <= G_MAX:
+        return f"{g} members (2 to {G_MAX} per launch)"
+    if not (len(dys_t) == len(states_list) == len(hparams_list) == g):
+        return "weights, dys_t, states and hparams differ in length"
+    cfg = config or group_config()
+    if cfg.epi != "split":
+        return f"config {cfg.epi!r}: the grouped kernel is the split kernel"
+    k = weights[0].shape[1] if weights[0].dim() == 2 else None
+    if k is None or k % 8:
+        return f"K = {k}: a multiple of 8 (16-byte rows)"
+    for i, (w, dy_t) in enumerate(zip(weights, dys_t)):
+        if w.dim() != 2 or w.shape[1] != k:
+            return f"member {i}: weight {list(w.shape)}, not [N, {k}] like member 0"
+        if dy_t.dim() != 2 or dy_t.shape[0] != w.shape[0] or dy_t.shape[1] != x.shape[0]:
+            return f"member {i}: dy_t {list(dy_t.shape)} does not match weight {list(w.shape)} and M = {x.shape[0]}"
+        if i < g - 1 and w.shape[0] % cfg.bn:
+            return f"member {i}: N = {w.shape[0]} is not a multiple of {cfg.bn} (only the last member's may be)"
+        if w.device != weights[0].device:
+            return f"member {i} is on {w.device}, member 0 on {weights[0].device}"
+    if sum(w.shape[0] for w in weights) >= _NO_START:
+        return "more than 2^31 - 1 stacked rows"
+    offsets = _member_offsets(weights, states_list, rule, k)
+    if offsets is None:
+        return "arrays not 16-byte aligned, or more than 32 GiB apart (the kernel's int32 offsets)"
+    ep, src, why = wg._source_for(rule)
+    if src is None:
+        return why
+    first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
+    for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
+        scal = host_scalars(ep, split_states(rule, st)[1], hp)
+        if scal != first:
+            return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
+    if check_device:
+        for i, (w, dy_t, st) in enumerate(zip(weights, dys_t, states_list)):
+            why = wg.gluon_reason(w, dy_t, x, st, rule)
+            if why is not None:
+                return f"member {i}: {why}"
+    return None
+
+
+def _member_offsets(weights, states_list, rule: Rule, k: int) -> list[int] | None:
+    """Per array (W, then each tensor state), member g's element offset from member 0's pointer minus its first
+    row's (start_g * K), in 16-byte units, as increments from member g-1 for g = 1, 2, 3 (the kernel adds those its
+    tile's row has passed; absent members add 0). None when an array is not 16-byte aligned or an offset leaves
+    int32."""
+    arrays = [[w, *split_states(rule, st)[0]] for w, st in zip(weights, states_list)]
+    incs, every, start = [], [], [sum(w.shape[0] for w in weights[:g]) for g in range(len(weights))]
+    for a in range(len(arrays[0])):
+        offs = []
+        for g, arr in enumerate(arrays):
+            d = arr[a].data_ptr() - arrays[0][a].data_ptr()
+            if d % 16 or arr[a].data_ptr() % 16:
+                return None
+            offs.append((d // 4 - start[g] * k) // 4)     # K % 8 == 0: start_g * K is a multiple of 4 elements
+        offs += [offs[-1]] * (G_MAX - len(offs))
+        incs += [offs[j] - offs[j - 1] for j in (1, 2, 3)]
+        every += offs
+    if any(not -2 ** 31 <= v < 2 ** 31 for v in every + incs):
+        return None
+    return incs
+
+
+def _prepare(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
+             max_ctas: int | None = None, check_device: bool = True):
+    # check_device=False: benchmarks/compile_sm90.py prepares launches on CPU tensors to compile them
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, config, check_device)
+    if why is not None:
+        raise ValueError(f"forge: weights cannot share one grouped launch: {why}")
+    kernel = _kernel_for(rule)
+    ep = wg._source_for(rule)[0]
+    cfg = config or group_config()
+    per = [split_states(rule, st) for st in states_list]
+    scalars, new_scalar_states = host_scalars(ep, per[0][1], hparams_list[0])
+    m, k = x.shape
+    ns = [w.shape[0] for w in weights]
+    starts = [sum(ns[:i]) for i in range(len(ns))]
+    n_tot = sum(ns)
+    a_l, b_l, _ = wg._smem_layouts(cfg, x.dtype)
+    descs = [TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l) for dy_t, n in zip(dys_t, ns)]
+    descs += [descs[0]] * (G_MAX - len(descs))
+    x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
+    bounds = starts[1:] + [_NO_START] * (G_MAX - len(ns))
+    incs = _member_offsets(weights, states_list, rule, k)
+    tiles = -(-n_tot // cfg.bn) * -(-k // cfg.bk)
+    grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
+    w0, ts0 = weights[0], per[0][0]
+    args = (*descs, x_desc, w0, *ts0, w0, *scalars, m, n_tot, k, *bounds, *incs)
+    big = -(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31
+    ld_ev, st_ev, st_cm = wg._EVICT[cfg.evict]
+    opts = dict(GROUP=cfg.group, STAGES=cfg.stages, R=cfg.epi_m, AHEAD=wg.smem_ahead(cfg, 1 + len(ts0)), BIG=big,
+                LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
+                enable_fp_fusion=False)
+    scalar_states = [s for _, sc in per for s in sc]
+    return kernel, grid, args, opts, scalar_states, new_scalar_states * len(per)
+
+
+def launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *, config: wg.GConfig | None = None,
+                 max_ctas: int | None = None) -> None:
+    """Update every member in one launch (ValueError, before anything runs, when ``group_reason`` refuses); each
+    member's scalar states advance as its own launch would advance them."""
+    kernel, grid, args, opts, scalar_states, new = _prepare(weights, dys_t, x, states_list, hparams_list, rule,
+                                                            config, max_ctas)
+    kernel[grid](*args, **opts)
+    with torch.no_grad():
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+
+
+def bound_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *,
+                       config: wg.GConfig | None = None, max_ctas: int | None = None):
+    """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are NOT
+    advanced by it."""
+    kernel, grid, args, opts, _, _ = _prepare(weights, dys_t, x, states_list, hparams_list, rule, config, max_ctas)
+    return lambda: kernel[grid](*args, **opts)

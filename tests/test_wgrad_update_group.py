@@ -1,0 +1,164 @@
+"""Several weights in one launch (kernels/wgrad_update_group.py): the checks on CPU, exactness on an sm_90 GPU.
+
+The spec of a grouped launch is the members' separate launches: W and every state bit-identical to
+``wgrad_update_gluon.launch`` on each member alone with the same config (which test_wgrad_update_gluon checks
+bit-exact against eager ``rule.fn`` on the dW it stores), and within rounding of the fp64 reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
+from forge_compile.kernels import wgrad_update_group as gr  # noqa: E402
+from forge_compile.kernels.wgrad_update import reference_wgrad_update  # noqa: E402
+from forge_compile.optim import rules as R  # noqa: E402
+
+RULES = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
+_HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.9,
+       "dampening": 0.1}
+
+
+def _members(rule, ns, k, m, device="cpu", seed=0, steps=None):
+    """Per member (weight, dy_t, states, hparams) and the shared x; each member's tensors allocated separately and
+    in a shuffled order, so member g's arrays may lie below member 0's (negative offsets)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+    out = []
+    for i, n in enumerate(ns):
+        w = torch.randn(n, k, generator=gen)
+        states = []
+        for j, name in enumerate(rule.states):
+            if rule.is_scalar_state(j):
+                states.append(torch.tensor(float(steps[i] if steps else 4.0)))
+            else:
+                states.append(torch.rand(n, k, generator=gen) * (1e-3 if name == "exp_avg_sq" else 0.1))
+        dy = torch.randn(m, n, generator=gen).bfloat16()
+        hp = [torch.tensor(_HP.get(h, 0.01), dtype=torch.float64) for h in rule.hparams]
+        out.append([w, dy, states, hp])
+    for i in reversed(range(len(out))):       # device copies in reverse order: later members at lower addresses
+        w, dy, states, hp = out[i]
+        out[i] = (w.to(device), dy.to(device).t(), [s if s.dim() == 0 else s.to(device) for s in states], hp)
+    return out, x
+
+
+def _args(members, x):
+    return ([mb[0] for mb in members], [mb[1] for mb in members], x, [mb[2] for mb in members],
+            [mb[3] for mb in members])
+
+
+# ---- CPU: what may share a launch ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ns,k,why", [
+    ([256], 256, "1 members"),
+    ([128] * 5, 256, "5 members"),
+    ([200, 256], 256, "member 0: N = 200 is not a multiple of 128"),
+    ([256, 200], 260, "K = 260"),
+])
+def test_group_reason_shapes(ns, k, why):
+    members, x = _members(RULES["adamw"], ns, k, 64)
+    assert why in gr.group_reason(*_args(members, x), RULES["adamw"], check_device=False)
+
+
+def test_group_reason_other_k_and_tokens():
+    rule = RULES["sgdm"]
+    members, x = _members(rule, [128, 128], 256, 64)
+    other, _ = _members(rule, [128], 128, 64)
+    ws, dys, _, sts, hps = _args(members, x)
+    assert "not [N, 256]" in gr.group_reason([ws[0], other[0][0]], [dys[0], other[0][1]], x,
+                                             [sts[0], other[0][2]], hps, rule, check_device=False)
+    assert "does not match" in gr.group_reason(ws, [dys[0], dys[1][:, :32]], x, sts, hps, rule,
+                                               check_device=False)
+
+
+def test_group_reason_scalars_must_agree():
+    # one launch takes one set of rule scalars: a member at another step (its bias corrections differ) or with
+    # another lr must run alone
+    rule = RULES["adamw"]
+    members, x = _members(rule, [128, 128, 64], 256, 64, steps=[4, 4, 7])
+    assert "member 2's scalars" in gr.group_reason(*_args(members, x), rule, check_device=False)
+    members, x = _members(rule, [128, 128], 256, 64)
+    members[1][3][0] = torch.tensor(0.5, dtype=torch.float64)
+    assert "member 1's scalars" in gr.group_reason(*_args(members, x), rule, check_device=False)
+    members, x = _members(rule, [128, 128, 64], 256, 64)
+    assert gr.group_reason(*_args(members, x), rule, check_device=False) is None
+
+
+def test_group_reason_device_checks_on_cpu():
+    # with the device checks, CPU tensors are refused (the members then run one by one, on the Triton kernel)
+    members, x = _members(RULES["lion"], [128, 128], 256, 64)
+    assert "member 0" in gr.group_reason(*_args(members, x), RULES["lion"])
+
+
+def test_group_source_renders_every_rule():
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    for rule in RULES.values():
+        src = gr.render_group_source(compile_epilogue(rule, "cuda"))
+        compile(src, "group", "exec")
+        assert "def wgrad_update_group_kernel(" in src
+
+
+# ---- GPU: bit-identical to the members' own launches ---------------------------------------------
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wg.gluon_available()
+
+
+sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
+
+
+def _check_group(rule, ns, k, m, max_ctas=None, seed=0):
+    members, x = _members(rule, ns, k, m, "cuda", seed)
+    ws, dys, _, sts, hps = _args(members, x)
+    assert gr.group_reason(ws, dys, x, sts, hps, rule) is None
+    cfg = gr.group_config()
+    alone = [(w.clone(), [s.clone() for s in st]) for w, st in zip(ws, sts)]
+    refs = []
+    for (w, st), dy_t, hp in zip(alone, dys, hps):
+        w0, st0 = w.clone(), [s.clone() for s in st]
+        wg.launch(w, dy_t, x, st, hp, rule, config=cfg)
+        reference_wgrad_update(w0, dy_t, x, st0, hp, rule.name)
+        refs.append(w0)
+    gr.launch_group(ws, dys, x, sts, hps, rule, config=cfg, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    for i, ((w, st), (wa, sta)) in enumerate(zip(zip(ws, sts), alone)):
+        assert torch.equal(w, wa), f"member {i}: W differs in {(w != wa).sum().item()} of {w.numel()} elements"
+        for s, sa in zip(st, sta):
+            assert torch.equal(s, sa), f"member {i}: a state differs in {(s != sa).sum().item()} elements"
+    if rule.name.startswith("lion"):
+        return   # sign(): where the momentum mix is ~0, the reference's other summation order flips whole updates
+    for i, (w, wr) in enumerate(zip(ws, refs)):
+        # the reference's fp32 mm sums M in another order, so W differs by the update's rounding (~1e-7 here);
+        # a tile taken from the wrong member or rows moves W by a whole update (~lr = 1e-2 or more)
+        assert (w - wr).abs().max().item() < 1e-4, f"member {i} vs reference_wgrad_update"
+
+
+@sm90
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("ns,k,m", [([256, 256, 256], 512, 256), ([128, 384, 200], 776, 333),
+                                    ([512, 128, 256, 72], 256, 1000), ([1024, 1024], 1024, 2048)])
+def test_group_matches_separate_launches(name, ns, k, m):
+    # the last member ragged (TMA zero-fill / masked rows), K not a multiple of 128, M not a multiple of 64
+    _check_group(RULES[name], ns, k, m)
+
+
+@sm90
+@pytest.mark.parametrize("max_ctas", [1, 3, 7])
+def test_group_many_tiles_per_cta(max_ctas):
+    # several tiles per CTA, crossing members inside one CTA's walk (its lookahead reaches into the next member)
+    _check_group(RULES["adamw"], [384, 256, 128, 200], 520, 333, max_ctas=max_ctas)
+
+
+@sm90
+def test_group_refuses_before_touching_anything():
+    rule = RULES["adamw"]
+    members, x = _members(rule, [200, 256], 256, 128, "cuda")
+    ws, dys, _, sts, hps = _args(members, x)
+    before = [w.clone() for w in ws]
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        gr.launch_group(ws, dys, x, sts, hps, rule)
+    assert all(torch.equal(w, b) for w, b in zip(ws, before))
