@@ -162,3 +162,158 @@ def test_group_refuses_before_touching_anything():
     with pytest.raises(ValueError, match="not a multiple of 128"):
         gr.launch_group(ws, dys, x, sts, hps, rule)
     assert all(torch.equal(w, b) for w, b in zip(ws, before))
+
+
+# ---- the pass: compile_train_step groups q/k/v and gate/up ----------------------------------------------------
+
+
+def _llama(device, layers=2, d=128, d_ff=256):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_lm
+
+    torch.manual_seed(0)
+    return train_lm.Llama(d, layers, 4, d_ff, 64, vocab=256).to(device)
+
+
+def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, autocast=None, tokens=(4, 64)):
+    import forge_compile as forge
+    from forge_compile.passes import wgrad_update_group as gp
+
+    monkeypatch.setenv(gp.ENV, "1" if group else "0")
+    model = _llama(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    @forge.compile_train_step(cuda_graphs=cuda_graphs)
+    def step(idx):
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    gen = torch.Generator().manual_seed(1)
+    losses = [step(torch.randint(0, 256, (tokens[0], tokens[1] + 1), generator=gen).to(device)).item()
+              for _ in range(steps)]
+    return model, opt, losses, step.last_report
+
+
+def test_pass_groups_projections_that_read_the_same_input(monkeypatch):
+    # on CPU (GROUP_DEVICES widened) the grouped op runs each member's own CPU path: grouping must change nothing
+    from forge_compile.kernels import wgrad_update_group as kg
+    from forge_compile.passes import wgrad_update_group as gp
+
+    monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
+    kg.counters.clear()
+    m1, o1, l1, rep = _train_llama("cpu", True, monkeypatch)
+    note = next((n for n in rep.notes if n.startswith("grouped launches")), None)
+    assert note is not None and "4 sets" in note, rep.notes          # per layer: q+k+v, gate+up
+    # members in backward order (the graph computes v's dY first)
+    assert "layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + model.layers.1.attn.q_proj.weight" in note
+    assert "layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight" in note
+    assert kg.counters["member_launches"] == 3 * (2 * 3 + 2 * 2)      # 3 steps x 10 grouped weights, one by one
+    assert not any("cloned" in n for n in rep.notes), rep.notes      # the op's in-place writes stayed in place
+    m2, o2, l2, rep2 = _train_llama("cpu", False, monkeypatch)
+    assert not any(n.startswith("grouped launches") for n in rep2.notes)
+    assert l1 == l2
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), name
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k, v in o1.state[p1].items():
+            assert torch.equal(v, o2.state[p2][k]), k
+
+
+def test_pass_leaves_cuda_only_default_alone_on_cpu(monkeypatch):
+    # default GROUP_DEVICES: CPU weights keep their own launches (the grouped op would only loop over them)
+    _, _, _, rep = _train_llama("cpu", True, monkeypatch, steps=1)
+    assert not any(n.startswith("grouped launches") for n in rep.notes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launches", "graphed"])
+def test_cuda_grouped_step_is_the_ungrouped_step(monkeypatch, cuda_graphs):
+    # 1024 tokens per step: the members' own launches take the split kernel, the one the grouped kernel runs over
+    # the stacked rows, so the two steps must agree bitwise (on sm_90; elsewhere the op runs the members' launches)
+    from forge_compile.kernels import wgrad_update_group as kg
+
+    kg.counters.clear()
+    m1, o1, l1, rep = _train_llama("cuda", True, monkeypatch, cuda_graphs=cuda_graphs, autocast=torch.bfloat16,
+                                   tokens=(16, 64))
+    torch.cuda.synchronize()
+    assert any(n.startswith("grouped launches: 4 sets") for n in rep.notes), rep.notes
+    if _sm90():
+        assert kg.counters["grouped_launches"] > 0 and not kg.counters["member_launches"], dict(kg.counters)
+    m2, o2, l2, _ = _train_llama("cuda", False, monkeypatch, cuda_graphs=cuda_graphs, autocast=torch.bfloat16,
+                                 tokens=(16, 64))
+    torch.cuda.synchronize()
+    assert l1 == l2
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), f"{name} differs in {(a != b).sum().item()} elements"
+
+
+# ---- the pass on the scalar-table path (cuda_graphs=True), on CPU through Triton's interpreter ------------------
+
+
+def test_interpreter_tests_in_subprocess():
+    from interpreter import run_child
+
+    run_child(__file__, timeout=900)
+
+
+def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypatch):
+    # compile_train_step(cuda_graphs=True) with the CPU recorder: use_scalar_table makes wgrad_update_table_ nodes,
+    # the pass groups them into wgrad_update_group_table_ (each member's row of the table), the op runs the members'
+    # table launches in the interpreter -- the same step bitwise, replayed
+    from forge_compile import step_graph as sg
+    from forge_compile.passes import wgrad_update_group as gp
+    from models import rerun_recorder
+
+    monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
+    sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cpu", rerun_recorder
+    runs = []
+    try:
+        for group in (True, False):
+            sg.counters.clear()
+            m, o, losses, rep = _train_llama_small(group, monkeypatch)
+            runs.append((m, o, losses, rep, dict(sg.counters)))
+    finally:
+        sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
+    (m1, o1, l1, rep1, c1), (m2, o2, l2, rep2, _) = runs
+    assert any(n.startswith("grouped launches: 2 sets") for n in rep1.notes), rep1.notes    # q+k+v, gate+up
+    assert any("replayed as one CUDA graph" in n for n in rep1.notes), rep1.notes
+    assert c1.get("replays") == 2, c1
+    assert not any(n.startswith("grouped launches") for n in rep2.notes)
+    assert l1 == l2
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), name
+
+
+def _train_llama_small(group, monkeypatch):
+    # one layer, 32 tokens: the interpreter runs every fused update on CPU
+    import os
+    import sys
+    import forge_compile as forge
+    from forge_compile.passes import wgrad_update_group as gp
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_lm
+
+    monkeypatch.setenv(gp.ENV, "1" if group else "0")
+    torch.manual_seed(0)
+    model = train_lm.Llama(128, 1, 4, 256, 16, vocab=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    @forge.compile_train_step(cuda_graphs=True)
+    def step(idx):
+        loss = torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    gen = torch.Generator().manual_seed(1)
+    losses = [step(torch.randint(0, 128, (2, 17), generator=gen)).item() for _ in range(4)]
+    return model, opt, losses, step.last_report

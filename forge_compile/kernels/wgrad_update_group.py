@@ -32,16 +32,23 @@ host checks, the launcher.
 """
 from __future__ import annotations
 
+import logging
 import threading
+from collections import Counter
 
 import torch
 
-from ..optim.rule import Rule
+from .. import _compat
+from ..optim.rule import Rule, get_rule
 from . import wgrad_update_gluon as wg
 from .epilogue_codegen import load_kernel_module
-from .wgrad_update_triton import host_scalars, split_states
+from .wgrad_update_triton import check_table, host_scalars, split_states
 
-__all__ = ["G_MAX", "group_config", "group_reason", "launch_group", "bound_launch_group", "render_group_source"]
+__all__ = ["G_MAX", "group_config", "group_reason", "launch_group", "try_launch_group", "bound_launch_group",
+           "render_group_source"]
+
+log = logging.getLogger(__name__)
+counters: Counter = Counter()
 
 G_MAX = 4                 # members per launch: the loader's descriptor if-chain and the offsets' argument count
 _NO_START = 2 ** 31 - 1   # first row of an absent member: no tile reaches it
@@ -128,7 +135,7 @@ def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scala
 
 
 @gluon.jit
-def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
                {gdelta_params}H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                ST_CM: gl.constexpr):
@@ -144,7 +151,7 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     r = 0
     for t in range(pid, num_tiles, nprog):
         mbarrier.wait(dw_bar.index(0), r & 1)
-        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
+{group_scalar_loads}        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
         for c in range(CNT):
             ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
                                 num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
@@ -155,23 +162,23 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
 
 
 @gluon.jit
-def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
-                {gdelta_params}BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
+def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2,
+                s3, {gdelta_params}BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
                 AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr):
-    _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
+    _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
                {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)
 
 
 @gluon.jit
 def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_ptr, {state_ptrs}g_ptr,
-                              {kernel_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
+                              {group_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
                               GROUP: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr,
                               BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
-{scalar_loads}    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
+    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -186,20 +193,31 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_
 
     gl.warp_specialize([
         (_split_mma, (dy_desc0, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
-        (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
-                      {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
-        (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, s1, s2,
-                       s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
+                      s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+        (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
+                       s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
         (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles,
                          num_n, num_k, s1, s2, s3, GROUP, STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
 
-def render_group_source(ep) -> str:
+def render_group_source(ep, table: bool = False) -> str:
     """The grouped kernel's module for one rule's epilogue: the split kernel's module (its pieces: _rule, tile
-    order, GEMM ring and MMA warpgroup, chunk loads/stores) followed by _GROUP_KERNEL."""
+    order, GEMM ring and MMA warpgroup, chunk loads/stores) followed by _GROUP_KERNEL. ``table``: the rule's scalars
+    come from each member's row of a device table (``scal_ptr`` = member 0's row, ``sq1..sq3`` the increments to
+    the next members' rows in elements), loaded per tile by the epilogue warpgroups; else one set of scalar
+    arguments for the whole group."""
     fields = wg.render_fields(ep)
+    n = ep.n_kernel_scalars
+    if table:
+        scal = dict(group_scalar_params="scal_ptr, sq1, sq2, sq3, ", group_scalar_loads=(
+            " " * 8 + "sro = (base[0] >= s1).to(gl.int32) * sq1 + (base[0] >= s2).to(gl.int32) * sq2 + "
+            "(base[0] >= s3).to(gl.int32) * sq3\n"
+            + "".join(f"        c{i} = gl.load(scal_ptr + sro + {i})\n" for i in range(n))))
+    else:
+        scal = dict(group_scalar_params="".join(f"c{i}, " for i in range(n)), group_scalar_loads="")
     arrays = ["w", *ep.tensor_inputs[2:]]
     # the offsets are int32 16-byte units (group_reason: arrays within 32 GiB): two fewer registers each than an
     # int64, and the scale by 4 elements keeps the pointers' 16-byte alignment provable
@@ -212,36 +230,41 @@ def render_group_source(ep) -> str:
         ptrs_cur="".join(f"{p}, " for p in cur),
         ptrs_nx="".join(f"{p}, " for p in nxt),
     )
-    return wg.render_gluon_source(ep, "split") + _GROUP_KERNEL.format(**fields, **group)
+    return wg.render_gluon_source(ep, "split") + _GROUP_KERNEL.format(**fields, **group, **scal)
 
 
-_KERNELS: dict[str, object] = {}
+_KERNELS: dict[tuple[str, bool], object] = {}
 _LOCK = threading.Lock()
 
 
-def _kernel_for(rule: Rule):
-    kern = _KERNELS.get(rule.name)
+def _kernel_for(rule: Rule, table: bool = False):
+    key = (rule.name, table)
+    kern = _KERNELS.get(key)
     if kern is None:
         ep, src, why = wg._source_for(rule)
         if src is None:
             raise wg.GluonUnsupported(why)
-        kern = load_kernel_module(render_group_source(ep), f"gluon_group_{ep.source_key}").wgrad_update_group_kernel
+        mod = load_kernel_module(render_group_source(ep, table),
+                                 f"gluon_group_{'table_' if table else ''}{ep.source_key}")
         with _LOCK:
-            _KERNELS.setdefault(rule.name, kern)
-    return _KERNELS[rule.name]
+            _KERNELS.setdefault(key, mod.wgrad_update_group_kernel)
+    return _KERNELS[key]
 
 
 def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
-                 check_device: bool = True) -> str | None:
+                 check_device: bool = True, tables=None) -> str | None:
     """None when these G members can run as one ``launch_group``, else why not (the caller then launches them one
     by one). ``dys_t[g]`` is member g's dY transposed ([N_g, M]), ``states_list[g]`` its rule states,
-    ``hparams_list[g]`` its hyperparameters. ``check_device=False`` skips what needs an sm_90 GPU (CPU tests of the
+    ``hparams_list[g]`` its hyperparameters -- or, with ``tables`` (member g's scalar-table row each), its tensor
+    states alone and no hyperparameters. ``check_device=False`` skips what needs an sm_90 GPU (CPU tests of the
     structural checks)."""
     g = len(weights)
     if not 2 <= g <= G_MAX:
         return f"{g} members (2 to {G_MAX} per launch)"
-    if not (len(dys_t) == len(states_list) == len(hparams_list) == g):
-        return "weights, dys_t, states and hparams differ in length"
+    if tables is not None:
+        hparams_list = [[]] * g if not hparams_list else hparams_list
+    if not (len(dys_t) == len(states_list) == len(hparams_list) == g) or (tables is not None and len(tables) != g):
+        return "weights, dys_t, states, hparams and tables differ in length"
     cfg = config or group_config()
     if cfg.epi != "split":
         return f"config {cfg.epi!r}: the grouped kernel is the split kernel"
@@ -259,31 +282,57 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
             return f"member {i} is on {w.device}, member 0 on {weights[0].device}"
     if sum(w.shape[0] for w in weights) >= _NO_START:
         return "more than 2^31 - 1 stacked rows"
-    offsets = _member_offsets(weights, states_list, rule, k)
+    try:
+        offsets = _member_offsets(weights, states_list, rule, k, tables)
+    except ValueError as e:   # states that do not match the rule
+        return str(e)
     if offsets is None:
         return "arrays not 16-byte aligned, or more than 32 GiB apart (the kernel's int32 offsets)"
     ep, src, why = wg._source_for(rule)
     if src is None:
         return why
-    first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
-    for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
-        scal = host_scalars(ep, split_states(rule, st)[1], hp)
-        if scal != first:
-            return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
+    if tables is None:
+        first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
+        for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
+            scal = host_scalars(ep, split_states(rule, st)[1], hp)
+            if scal != first:
+                return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
+    else:
+        if _row_increments(tables) is None:
+            return "table rows not in one fp32 table within int32 element offsets"
+        for i, (w, tab) in enumerate(zip(weights, tables)):
+            try:
+                check_table(ep, tab, w)
+            except ValueError as e:
+                return f"member {i}: {e}"
     if check_device:
         for i, (w, dy_t, st) in enumerate(zip(weights, dys_t, states_list)):
-            why = wg.gluon_reason(w, dy_t, x, st, rule)
+            why = wg.gluon_reason(w, dy_t, x, st, rule, table=None if tables is None else tables[i])
             if why is not None:
                 return f"member {i}: {why}"
     return None
 
 
-def _member_offsets(weights, states_list, rule: Rule, k: int) -> list[int] | None:
+def _row_increments(tables) -> list[int] | None:
+    """sq1..sq3: element offsets from member g-1's table row to member g's (0 past the last member), or None."""
+    offs = []
+    for t in tables:
+        d = t.data_ptr() - tables[0].data_ptr()
+        if d % 4:
+            return None
+        offs.append(d // 4)
+    offs += [offs[-1]] * (G_MAX - len(offs))
+    incs = [offs[j] - offs[j - 1] for j in (1, 2, 3)]
+    return incs if all(-2 ** 31 <= v < 2 ** 31 for v in offs + incs) else None
+
+
+def _member_offsets(weights, states_list, rule: Rule, k: int, tables=None) -> list[int] | None:
     """Per array (W, then each tensor state), member g's element offset from member 0's pointer minus its first
     row's (start_g * K), in 16-byte units, as increments from member g-1 for g = 1, 2, 3 (the kernel adds those its
     tile's row has passed; absent members add 0). None when an array is not 16-byte aligned or an offset leaves
     int32."""
-    arrays = [[w, *split_states(rule, st)[0]] for w, st in zip(weights, states_list)]
+    arrays = [[w, *split_states(rule, st, None if tables is None else tables[g])[0]]
+              for g, (w, st) in enumerate(zip(weights, states_list))]
     incs, every, start = [], [], [sum(w.shape[0] for w in weights[:g]) for g in range(len(weights))]
     for a in range(len(arrays[0])):
         offs = []
@@ -301,56 +350,185 @@ def _member_offsets(weights, states_list, rule: Rule, k: int) -> list[int] | Non
 
 
 def _prepare(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
-             max_ctas: int | None = None, check_device: bool = True):
-    # check_device=False: benchmarks/compile_sm90.py prepares launches on CPU tensors to compile them
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, config, check_device)
+             max_ctas: int | None = None, check_device: bool = True, tables=None):
+    """(kernel, grid, args, opts, scalar states, their new values): ValueError when ``group_reason`` refuses.
+    check_device=False: benchmarks/compile_sm90.py prepares launches on CPU tensors to compile them."""
+    why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, config, check_device, tables)
     if why is not None:
         raise ValueError(f"forge: weights cannot share one grouped launch: {why}")
-    kernel = _kernel_for(rule)
-    ep = wg._source_for(rule)[0]
+    return _bind(_static(weights, dys_t, x, states_list, rule, config, max_ctas, tables), weights, dys_t, x,
+                 states_list, hparams_list, rule, tables)
+
+
+def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables):
+    # what depends only on the tensors' addresses and shapes: the launch memo's entry
     cfg = config or group_config()
-    per = [split_states(rule, st) for st in states_list]
-    scalars, new_scalar_states = host_scalars(ep, per[0][1], hparams_list[0])
     m, k = x.shape
     ns = [w.shape[0] for w in weights]
-    starts = [sum(ns[:i]) for i in range(len(ns))]
     n_tot = sum(ns)
+    starts = [sum(ns[:i]) for i in range(len(ns))]
+    ts0 = split_states(rule, states_list[0], None if tables is None else tables[0])[0]
+    tiles = -(-n_tot // cfg.bn) * -(-k // cfg.bk)
+    ld_ev, st_ev, st_cm = wg._EVICT[cfg.evict]
+    opts = dict(GROUP=cfg.group, STAGES=cfg.stages, R=cfg.epi_m, AHEAD=wg.smem_ahead(cfg, 1 + len(ts0)),
+                BIG=-(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31, LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
+                CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
+    tail = (m, n_tot, k, *(starts[1:] + [_NO_START] * (G_MAX - len(ns))),
+            *_member_offsets(weights, states_list, rule, k, tables))
+    grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
+    return (_kernel_for(rule, tables is not None), grid, opts, cfg, tail,
+            None if tables is None else _row_increments(tables))
+
+
+def _bind(static, weights, dys_t, x, states_list, hparams_list, rule: Rule, tables):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    kernel, grid, opts, cfg, tail, sq = static
+    m, k = x.shape
     a_l, b_l, _ = wg._smem_layouts(cfg, x.dtype)
-    descs = [TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l) for dy_t, n in zip(dys_t, ns)]
+    # descriptors per call, not memoized: they hold their tensors, and a memo would keep every dY alive
+    descs = [TensorDescriptor(dy_t, [m, w.shape[0]], [w.shape[0], 1], [cfg.bmt, cfg.bn], a_l)
+             for dy_t, w in zip(dys_t, weights)]
     descs += [descs[0]] * (G_MAX - len(descs))
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
-    bounds = starts[1:] + [_NO_START] * (G_MAX - len(ns))
-    incs = _member_offsets(weights, states_list, rule, k)
-    tiles = -(-n_tot // cfg.bn) * -(-k // cfg.bk)
-    grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
-    w0, ts0 = weights[0], per[0][0]
-    args = (*descs, x_desc, w0, *ts0, w0, *scalars, m, n_tot, k, *bounds, *incs)
-    big = -(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31
-    ld_ev, st_ev, st_cm = wg._EVICT[cfg.evict]
-    opts = dict(GROUP=cfg.group, STAGES=cfg.stages, R=cfg.epi_m, AHEAD=wg.smem_ahead(cfg, 1 + len(ts0)), BIG=big,
-                LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
-                enable_fp_fusion=False)
-    scalar_states = [s for _, sc in per for s in sc]
-    return kernel, grid, args, opts, scalar_states, new_scalar_states * len(per)
+    w0 = weights[0]
+    if tables is not None:
+        ts0 = split_states(rule, states_list[0], tables[0])[0]
+        args = (*descs, x_desc, w0, *ts0, w0, tables[0], *sq, *tail)
+        return kernel, grid, args, opts, [], []
+    ep = wg._source_for(rule)[0]
+    per = [split_states(rule, st) for st in states_list]
+    scalars, new = host_scalars(ep, per[0][1], hparams_list[0])
+    args = (*descs, x_desc, w0, *per[0][0], w0, *scalars, *tail)
+    return kernel, grid, args, opts, [s for _, sc in per for s in sc], list(new) * len(per)
 
 
 def launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *, config: wg.GConfig | None = None,
-                 max_ctas: int | None = None) -> None:
+                 max_ctas: int | None = None, tables=None) -> None:
     """Update every member in one launch (ValueError, before anything runs, when ``group_reason`` refuses); each
-    member's scalar states advance as its own launch would advance them."""
+    member's scalar states advance as its own launch would advance them. ``tables``: member g's scalar-table row
+    each (``states_list`` then holds the tensor states alone, ``hparams_list`` is ignored)."""
     kernel, grid, args, opts, scalar_states, new = _prepare(weights, dys_t, x, states_list, hparams_list, rule,
-                                                            config, max_ctas)
+                                                            config, max_ctas, tables=tables)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, v in zip(scalar_states, new):
             s.fill_(v)
 
 
+# try_launch_group's memo: (rule, kernel mode, the tensors' addresses / shapes / strides / dtypes) -> the launch's
+# static part, or why these members cannot share a launch. A step's backward repeats the same tensors every step.
+_MEMO: dict = {}
+_MEMO_SIZE = 4096
+
+
+def _key(weights, dys_t, x, states_list, rule: Rule, tables):
+    def t(v):
+        return (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype, v.device) if v.dim() else None
+
+    return (rule.name, wg._mode(), tables is not None, t(x), tuple(map(t, weights)), tuple(map(t, dys_t)),
+            tuple(tuple(map(t, st)) for st in states_list),
+            None if tables is None else tuple(map(t, tables)))
+
+
+def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, tables=None) -> bool:
+    """One grouped launch if these members can share it -- the op's path: False (nothing done) sends the caller to
+    the members' own launches. The checks run once per set of tensors (memoized); the members' scalars are compared
+    at every call (the step advances them)."""
+    key = _key(weights, dys_t, x, states_list, rule, tables)
+    hit = _MEMO.get(key)
+    if hit is None:
+        why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, tables=tables)
+        hit = why if why is not None else _static(weights, dys_t, x, states_list, rule, None, None, tables)
+        with _LOCK:
+            if len(_MEMO) >= _MEMO_SIZE:
+                _MEMO.clear()
+            _MEMO[key] = hit
+        if why is not None:
+            log.debug("forge: grouped launch refused: %s", why)
+    if isinstance(hit, str):
+        return False
+    if tables is None:
+        ep = wg._source_for(rule)[0]
+        first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
+        if any(host_scalars(ep, split_states(rule, st)[1], hp) != first
+               for st, hp in zip(states_list[1:], hparams_list[1:])):
+            return False
+    kernel, grid, args, opts, scalar_states, new = _bind(hit, weights, dys_t, x, states_list, hparams_list, rule,
+                                                         tables)
+    kernel[grid](*args, **opts)
+    with torch.no_grad():
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+    return True
+
+
 def bound_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *,
-                       config: wg.GConfig | None = None, max_ctas: int | None = None):
+                       config: wg.GConfig | None = None, max_ctas: int | None = None, tables=None):
     """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are NOT
     advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weights, dys_t, x, states_list, hparams_list, rule, config, max_ctas)
+    kernel, grid, args, opts, _, _ = _prepare(weights, dys_t, x, states_list, hparams_list, rule, config, max_ctas,
+                                              tables=tables)
     return lambda: kernel[grid](*args, **opts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the ops: forge::wgrad_update_group_ and its scalar-table variant (passes/wgrad_update_group.py emits them)
+#
+# Members' states and hyperparameters are flattened (member g's at g * len(rule.states) ...), since a schema has
+# no list of lists. Where the members cannot share a launch (CPU, another GPU, different scalars, a shape the
+# kernel does not take), the op runs each member's own forge::wgrad_update_ path: the same result either way.
+_LIB = torch.library.Library("forge", "FRAGMENT")
+_LIB.define("wgrad_update_group_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
+            "Tensor[] hparams, str rule) -> ()", tags=_compat.cudagraph_unsafe_tags())
+_LIB.define("wgrad_update_group_table_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
+            "Tensor[] scalars, str rule) -> ()")
+
+
+def _split(flat, g: int) -> list:
+    n = len(flat) // g
+    return [list(flat[i * n:(i + 1) * n]) for i in range(g)]
+
+
+def wgrad_update_group_(weights, dys_t, x, states, hparams, rule):
+    from .wgrad_update import wgrad_update
+
+    r = get_rule(rule)
+    g = len(weights)
+    sts, hps = _split(states, g), _split(hparams, g)
+    if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, hps, r)):
+        counters["member_launches"] += g
+        for w, dy_t, st, hp in zip(weights, dys_t, sts, hps):
+            wgrad_update(w, dy_t, x, st, hp, rule)
+    else:
+        counters["grouped_launches"] += 1
+    torch.autograd.graph.increment_version([*weights, *states])
+
+
+def wgrad_update_group_table_(weights, dys_t, x, states, scalars, rule):
+    from .wgrad_update import wgrad_update_table
+
+    g = len(weights)
+    sts = _split(states, g)
+    if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, [], get_rule(rule),
+                                                    tables=list(scalars))):
+        counters["member_launches"] += g
+        for w, dy_t, st, row in zip(weights, dys_t, sts, scalars):
+            wgrad_update_table(w, dy_t, x, st, row, rule)
+    else:
+        counters["grouped_launches"] += 1
+    torch.autograd.graph.increment_version([*weights, *states])
+
+
+_LIB.impl("wgrad_update_group_", wgrad_update_group_, "CompositeExplicitAutograd")
+_LIB.impl("wgrad_update_group_table_", wgrad_update_group_table_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_group_", lib=_LIB)
+def _(weights, dys_t, x, states, hparams, rule):
+    return None
+
+
+@torch.library.register_fake("forge::wgrad_update_group_table_", lib=_LIB)
+def _(weights, dys_t, x, states, scalars, rule):
+    return None

@@ -170,6 +170,9 @@ def remat_for_backward(gm: fx.GraphModule, n_forward_outputs: int) -> int:
         with graph.inserting_before(nodes[copy_at[n]]):
             c = graph.node_copy(n, lambda a: copies[a] if a in copies and copy_at[a] <= copy_at[n] else a)
         c.meta = dict(n.meta)
+        # the copy computes what n computes (no input written in between): passes/wgrad_update_group.py reads two
+        # fused updates' X as the same when one is n and the other its copy
+        c.meta["forge_remat_of"] = n.meta.get("forge_remat_of", n)
         copies[n] = c
     for n, c in copies.items():
         for u in list(n.users):

@@ -1,0 +1,153 @@
+"""Fused updates that read the same X become one launch: ``forge::wgrad_update_(_table)_`` x G ->
+``forge::wgrad_update_group(_table)_`` (kernels/wgrad_update_group.py).
+
+Why: a decoder layer's q/k/v projections (and gate/up) read the same normed hidden state X in the backward; each
+is a small weight whose persistent launch is mostly pipeline fill and drain. One launch over their stacked rows
+was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md "Several weights in one launch").
+
+When members are grouped (all must hold, else they stay single):
+- the same rule, no side output (cast copy) and no tied-embedding rows (the grouped kernel writes neither);
+- the same X: the same node, or the same views/transposes of one node;
+- weights fp32 2-D on a device of GROUP_DEVICES (CUDA: elsewhere the grouped op would only run the members'
+  launches in turn); at most one member whose row count is not a multiple of 128, placed last;
+- nothing between a member's own position and the group's (the last member's) reads or writes its weight or
+  states, or writes its dY or X: the member's update moves later, and the step must not see the difference.
+Up to G_MAX members per group, in graph order. The op itself checks at run time what the graph cannot know
+(data pointers, equal step counts and hyperparameters, an sm_90 GPU) and otherwise runs the members one by one:
+exact either way.
+
+Runs on the rewritten step graph after ``use_scalar_table`` (so both op variants exist by then).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+from .remat_for_backward import view_root, written_args
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+__all__ = ["group_wgrad_updates", "group_updates_enabled", "GROUP_DEVICES", "ENV"]
+
+counters: Counter = Counter()
+
+# Opt-in (FORGE_GROUP_UPDATES=1) until the pass has run on a GPU: the grouped kernel is bit-identical to the
+# members' own launches there (tests/test_wgrad_update_group.py, H100), but the rewritten CUDA step and the
+# scalar-table kernel have only run on CPU / compiled for sm_90 (stop 26 ran out of device time).
+ENV = "FORGE_GROUP_UPDATES"
+
+
+def group_updates_enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+# devices whose fused updates are grouped (tests add "cpu": the op then runs the members' CPU paths, exactly)
+GROUP_DEVICES = {"cuda"}
+_TILE_ROWS = 128      # the grouped kernel's tile: every member but the last needs N % 128 == 0
+_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+          aten.reshape.default, aten.detach.default, aten.alias.default, aten.expand.default}
+
+
+def _meta(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _x_key(node: fx.Node):
+    """(root node, the view ops applied to it): equal keys read equal values. A node remat_for_backward copied into
+    the backward counts as its original (it computes the same values from the same inputs)."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        chain.append((node.target, tuple(a for a in node.args[1:]), tuple(sorted(node.kwargs.items()))))
+        node = node.args[0]
+    if isinstance(node, fx.Node):
+        node = node.meta.get("forge_remat_of", node)
+    return node, tuple(chain)
+
+
+def _member(n: fx.Node):
+    """(weight, dy_t, x, states, last, rule) of a plain fused update (last: hparams or the table row), or None."""
+    if any(v is not None for v in n.kwargs.values()) or len(n.args) != 6:
+        return None
+    w = _meta(n.args[0])
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.float32:
+        return None
+    if w.device.type not in GROUP_DEVICES:
+        return None
+    return n.args
+
+
+def _movable(m: fx.Node, pos: int, nodes: list, order: dict) -> bool:
+    """Nothing in (m, pos) reads or writes m's weight/states or writes its dY / X."""
+    w, dy_t, x, states = m.args[:4]
+    mine = {view_root(a) for a in [w, *states] if isinstance(a, fx.Node)}
+    inputs = {view_root(a) for a in (dy_t, x) if isinstance(a, fx.Node)}
+    for u in nodes[order[m] + 1:pos + 1]:
+        if any(view_root(i) in mine for i in u.all_input_nodes):
+            return False
+        if any(view_root(t) in inputs for t in written_args(u)):
+            return False
+    return True
+
+
+def group_wgrad_updates(gm: fx.GraphModule, names: dict | None = None, max_members: int | None = None) -> list:
+    """Rewrite ``gm`` in place; returns the groups made, each a list of the members' weight names (``names``:
+    placeholder -> parameter name)."""
+    from ..kernels.wgrad_update_group import G_MAX
+
+    plain, table = torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    buckets: dict = {}
+    for n in nodes:
+        if n.op != "call_function" or n.target not in (plain, table) or _member(n) is None:
+            continue
+        w, dy_t, x, _, _, rule = n.args
+        dv = _meta(dy_t)
+        key = (n.target, rule, _x_key(x), None if dv is None else dv.dtype, _meta(w).shape[1])
+        buckets.setdefault(key, []).append(n)
+    made = []
+    cap = min(G_MAX, max_members or G_MAX)
+    for (target, *_), members in buckets.items():
+        full = [m for m in members if _meta(m.args[0]).shape[0] % _TILE_ROWS == 0]
+        ragged = [m for m in members if m not in full]
+        # stacked order: the full members in graph order, then at most one ragged member (its rows end the stack)
+        groups = [full[i:i + cap] for i in range(0, len(full), cap)]
+        for grp in groups:
+            if ragged and len(grp) < cap:
+                grp.append(ragged.pop(0))
+        for grp in groups:
+            while len(grp) >= 2:
+                pos = max(order[m] for m in grp)
+                stuck = [m for m in grp if order[m] < pos and not _movable(m, pos, nodes, order)]
+                if not stuck:
+                    break
+                grp[:] = [m for m in grp if m not in stuck]
+            if len(grp) >= 2:
+                made.append(_replace(graph, grp, target is table, max(order[m] for m in grp), nodes))
+    if made:
+        graph.lint()
+        gm.recompile()
+    counters["groups"] += len(made)
+    counters["grouped_weights"] += sum(len(g) for g in made)
+    return [[(names or {}).get(w, w.name) for w in g] for g in made]
+
+
+def _replace(graph: fx.Graph, grp: list, tabled: bool, pos: int, nodes: list) -> list:
+    anchor = nodes[pos]
+    weights = [m.args[0] for m in grp]
+    args = (weights, [m.args[1] for m in grp], grp[0].args[2], [s for m in grp for s in m.args[3]],
+            [m.args[4] for m in grp] if tabled else [h for m in grp for h in m.args[4]], grp[0].args[5])
+    op = torch.ops.forge.wgrad_update_group_table_ if tabled else torch.ops.forge.wgrad_update_group_
+    with graph.inserting_after(anchor):
+        new = graph.call_function(op.default, args)
+    new.meta["forge"] = "wgrad_update"
+    new.meta["val"] = None
+    for m in grp:
+        graph.erase_node(m)
+    return weights
