@@ -61,6 +61,7 @@ from .kernels.wgrad_update_triton import split_states
 from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
+from .passes.wgrad_update_group import group_updates_enabled, group_wgrad_updates
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -392,19 +393,51 @@ def _peek_states(opt, pl):
     return states, hps
 
 
+def _functionalize_group(graph: fx.Graph, n: fx.Node, fake_mode, af_op) -> list:
+    """_functionalize_fused for one grouped update: returns the (input, new value) pairs to copy back."""
+    op = n.target
+    weights, dys_t, x, states, last, rule = n.args
+    kwargs = dict(weights=list(weights), dys_t=list(dys_t), x=x, states=list(states), rule=rule)
+    kwargs["hparams" if op is torch.ops.forge.wgrad_update_group_.default else "scalars"] = list(last)
+    val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
+    with fake_mode:
+        val = af_op(op, **val_kwargs)
+    copies = []
+    with graph.inserting_before(n):
+        af = graph.call_function(af_op, (op,), kwargs)
+        af.meta["val"] = val
+        af.meta["forge"] = "wgrad_update"
+        for idx, inputs in ((1, weights), (2, states)):
+            if not inputs:
+                continue
+            lst = graph.call_function(operator.getitem, (af, idx))
+            lst.meta["val"] = val[idx]
+            for i, t in enumerate(inputs):
+                g = graph.call_function(operator.getitem, (lst, i))
+                g.meta["val"] = val[idx][i]
+                copies.append((t, g))
+    graph.erase_node(n)
+    return copies
+
+
 def _fake(fake_mode, t):
     return fake_mode.from_tensor(t, static_shapes=True)
 
 
 def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
-    """Rewrite each raw ``forge::wgrad_update_`` (or ``wgrad_update_table_``) into ``auto_functionalized`` +
-    ``copy_`` into its inputs at the end of the graph (what Inductor expects after functionalization)."""
+    """Rewrite each raw ``forge::wgrad_update_`` (or ``wgrad_update_table_``, or a grouped one) into
+    ``auto_functionalized`` + ``copy_`` into its inputs at the end of the graph (what Inductor expects after
+    functionalization)."""
     graph = gm.graph
     ops = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default)
+    group_ops = (torch.ops.forge.wgrad_update_group_.default, torch.ops.forge.wgrad_update_group_table_.default)
     af_op = _compat.auto_functionalized()
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies = []
     for n in list(graph.nodes):
+        if n.op == "call_function" and n.target in group_ops:
+            copies += _functionalize_group(graph, n, fake_mode, af_op)
+            continue
         if n.op != "call_function" or n.target not in ops:
             continue
         op = n.target
@@ -593,7 +626,7 @@ class _Compilation:
                         graph.erase_node(w)
                 else:
                     passed.append((pl, True, w))
-            table, table_note = None, None
+            table, table_note, group_note = None, None, None
             if self.scalar_table and any(i not in unfused for i, _ in cands):
                 if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
                     table = self._use_table(gm, cands, unfused, ph_of)
@@ -601,6 +634,12 @@ class _Compilation:
                                   "table written before each backward (the backward can be a CUDA graph)")
                 else:
                     table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
+            if group_updates_enabled():
+                groups = group_wgrad_updates(gm, names)
+                if groups:
+                    group_note = (f"grouped launches: {len(groups)} sets of fused weights reading the same input "
+                                  "are updated by one launch each ("
+                                  + "; ".join(" + ".join(g) for g in groups[:3]) + ("; ...)" if len(groups) > 3 else ")"))
             _functionalize_fused(gm, fake_mode)
             graph.eliminate_dead_code()
             gm.recompile()
@@ -620,6 +659,8 @@ class _Compilation:
             report.notes.append(_NOTE_SEMANTICS)
         if table_note is not None:
             report.notes.append(table_note)
+        if group_note is not None:
+            report.notes.append(group_note)
         if decisions and not fused_plans:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         if not fused_plans:
@@ -882,9 +923,13 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
         return f"T({label})" if flips else label
 
     op = torch.ops.forge.wgrad_update_.default
+    group_op = torch.ops.forge.wgrad_update_group_.default
     af = _compat.auto_functionalized()
     fused = {n.kwargs["weight"] for n in gm.graph.nodes
              if n.op == "call_function" and n.target is af and n.args and n.args[0] is op}
+    fused |= {w for n in gm.graph.nodes
+              if n.op == "call_function" and n.target is af and n.args and n.args[0] is group_op
+              for w in n.kwargs["weights"]}
     weights = {w: name for w, name in weights.items() if w in fused}
     lines = []
     for n in gm.graph.nodes:
@@ -894,6 +939,12 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
             kw = n.kwargs
             lines.append(f"wgrad_update_(W={roles[kw['weight']]}, dy_t={describe(kw['dy_t'])}, "
                          f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
+                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']})")
+        elif n.target is af and n.args and n.args[0] is group_op:
+            kw = n.kwargs
+            lines.append(f"wgrad_update_group_(W=[{', '.join(roles[w] for w in kw['weights'])}], "
+                         f"dy_t=[{', '.join(describe(d) for d in kw['dys_t'])}], x={describe(kw['x'])}, "
+                         f"states=[{', '.join(roles[x] for x in kw['states'])}], "
                          f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']})")
         elif n.target is aten.copy_.default:
             lines.append(f"copy_({roles.get(n.args[0], 'computed')})")
