@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_group as gr  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update  # noqa: E402
+from forge_compile.kernels.wgrad_update_triton import split_states  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
 
 RULES = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
@@ -162,6 +163,59 @@ def test_group_refuses_before_touching_anything():
     with pytest.raises(ValueError, match="not a multiple of 128"):
         gr.launch_group(ws, dys, x, sts, hps, rule)
     assert all(torch.equal(w, b) for w, b in zip(ws, before))
+
+
+@sm90
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_group_table_matches_separate_table_launches(name, max_ctas):
+    # the scalar-table variant: each member reads its own row (rows far apart in one table, member 1 at a lower row
+    # and another step count than member 0), reloaded per tile -- vs each member's own table launch
+    from forge_compile.kernels.wgrad_update_triton import rule_scalars
+
+    rule = RULES[name]
+    ns, k, m = [256, 384, 200], 520, 333
+    members, x = _members(rule, ns, k, m, "cuda", steps=[4, 9, 6])
+    ws, dys, _, sts, hps = _args(members, x)
+    table = torch.zeros(8, 16, device="cuda")
+    rows = [table[5], table[1], table[7]]
+    for row, st, hp in zip(rows, sts, hps):
+        values = rule_scalars(rule, split_states(rule, st)[1], hp)[0]
+        row[:len(values)] = torch.tensor(values, dtype=torch.float32)
+    tsts = [split_states(rule, st)[0] for st in sts]
+    cfg = gr.group_config()
+    alone = [(w.clone(), [s.clone() for s in ts]) for w, ts in zip(ws, tsts)]
+    for (w, ts), dy_t, row in zip(alone, dys, rows):
+        wg.launch(w, dy_t, x, ts, [], rule, config=cfg, table=row)
+    assert gr.group_reason(ws, dys, x, tsts, [], rule, tables=rows) is None
+    gr.launch_group(ws, dys, x, tsts, [], rule, config=cfg, max_ctas=max_ctas, tables=rows)
+    torch.cuda.synchronize()
+    for i, ((w, ts), (wa, tsa)) in enumerate(zip(zip(ws, tsts), alone)):
+        assert torch.equal(w, wa), f"member {i}: W differs in {(w != wa).sum().item()} of {w.numel()} elements"
+        for s_, sa in zip(ts, tsa):
+            assert torch.equal(s_, sa), f"member {i}: a state differs"
+
+
+@sm90
+def test_try_launch_group_memo_and_fallback():
+    # the op's path: the first call checks and remembers, later calls with the same tensors launch at once; members
+    # whose scalars diverge (another step) are refused at the call, before anything runs
+    rule = RULES["adamw"]
+    members, x = _members(rule, [256, 256], 512, 1024, "cuda")
+    ws, dys, _, sts, hps = _args(members, x)
+    gr._MEMO.clear()
+    ref = [(w.clone(), [s.clone() for s in st]) for w, st in zip(ws, sts)]
+    for w, dy_t, st, hp in zip([r[0] for r in ref], dys, [r[1] for r in ref], hps):
+        wg.launch(w, dy_t, x, st, hp, rule, config=gr.group_config())
+    assert gr.try_launch_group(ws, dys, x, sts, hps, rule) and len(gr._MEMO) == 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(w, r[0]) for w, r in zip(ws, ref))
+    step = rule.states.index("step")
+    assert sts[0][step].item() == sts[1][step].item() == 5.0    # each member's step advanced once
+    sts[1][step].fill_(7.0)
+    before = [w.clone() for w in ws]
+    assert not gr.try_launch_group(ws, dys, x, sts, hps, rule)
+    assert all(torch.equal(w, b) for w, b in zip(ws, before)) and sts[0][step].item() == 5.0
 
 
 # ---- the pass: compile_train_step groups q/k/v and gate/up ----------------------------------------------------
