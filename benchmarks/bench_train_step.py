@@ -26,6 +26,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
   backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
                    fused updates then read a device scalar table)
+  step_graphs_group, backend_graphs_group  (only with --routes) step_graphs / backend_graphs with
+                   FORGE_GROUP_UPDATES=1: the fused updates that read the same input (q/k/v, gate/up) share one
+                   launch (passes/wgrad_update_group.py); every other route runs with FORGE_GROUP_UPDATES=0
 The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
 UnsupportedOptimizerError for it.
 
@@ -76,14 +79,15 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_recompute",
-          "step_graphs_cast", "backend", "backend_graphs")   # table order
+ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
+          "step_graphs_recompute", "step_graphs_cast", "backend", "backend_graphs", "backend_graphs_group")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_recompute", "step_graphs_cast")
-FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_recompute", "step_graphs_cast", "baseline_graphs",
-                "backend_graphs")   # replayed CUDA graphs
+STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast")
+FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group")
+GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast", "baseline_graphs",
+                "backend_graphs", "backend_graphs_group")   # replayed CUDA graphs
+GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -188,6 +192,10 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
 def make_step(route, wl, opt, autocast, inductor_options=None):
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route."""
     io = dict(inductor_options or {})
+    # *_group: the same route with the fused updates that read one input grouped into one launch (this run's
+    # process only: every run is its own subprocess)
+    os.environ["FORGE_GROUP_UPDATES"] = "1" if route.endswith(GROUP_SUFFIX) else "0"
+    route = route.removesuffix(GROUP_SUFFIX)
     if route in STEP_ROUTES:
         import forge_compile as forge
 
@@ -243,7 +251,7 @@ def fusion_rows(route, step):
     """forge's report rows as dicts ([] for the baseline)."""
     if route in STEP_ROUTES:
         reports = [step.last_report] if step.last_report is not None else []
-    elif route in ("backend", "backend_graphs"):
+    elif route in ("backend", "backend_graphs", "backend_graphs_group"):
         from forge_compile import backend
         reports = backend.last_reports()
     else:
