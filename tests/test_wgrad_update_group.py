@@ -94,6 +94,16 @@ def test_group_reason_device_checks_on_cpu():
     assert "member 0" in gr.group_reason(*_args(members, x), RULES["lion"])
 
 
+def test_try_launch_group_refuses_cpu_and_remembers():
+    # the op's path on a machine without an sm_90 GPU: refused once (memoized), the op then runs each member
+    rule = RULES["adamw"]
+    members, x = _members(rule, [128, 128], 256, 64)
+    gr._MEMO.clear()
+    assert not gr.try_launch_group(*_args(members, x), rule)
+    assert len(gr._MEMO) == 1 and "member 0" in next(iter(gr._MEMO.values()))
+    assert not gr.try_launch_group(*_args(members, x), rule) and len(gr._MEMO) == 1
+
+
 def test_group_source_renders_every_rule():
     from forge_compile.kernels.epilogue_codegen import compile_epilogue
     for rule in RULES.values():

@@ -252,12 +252,13 @@ def _kernel_for(rule: Rule, table: bool = False):
 
 
 def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
-                 check_device: bool = True, tables=None) -> str | None:
+                 check_device: bool = True, tables=None, check_scalars: bool = True) -> str | None:
     """None when these G members can run as one ``launch_group``, else why not (the caller then launches them one
     by one). ``dys_t[g]`` is member g's dY transposed ([N_g, M]), ``states_list[g]`` its rule states,
     ``hparams_list[g]`` its hyperparameters -- or, with ``tables`` (member g's scalar-table row each), its tensor
     states alone and no hyperparameters. ``check_device=False`` skips what needs an sm_90 GPU (CPU tests of the
-    structural checks)."""
+    structural checks); ``check_scalars=False`` skips comparing the members' scalars (try_launch_group compares
+    them at every call: they change with the step)."""
     g = len(weights)
     if not 2 <= g <= G_MAX:
         return f"{g} members (2 to {G_MAX} per launch)"
@@ -291,7 +292,7 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     ep, src, why = wg._source_for(rule)
     if src is None:
         return why
-    if tables is None:
+    if tables is None and check_scalars:
         first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
         for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
             scal = host_scalars(ep, split_states(rule, st)[1], hp)
@@ -438,8 +439,13 @@ def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, t
     key = _key(weights, dys_t, x, states_list, rule, tables)
     hit = _MEMO.get(key)
     if hit is None:
-        why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, tables=tables)
-        hit = why if why is not None else _static(weights, dys_t, x, states_list, rule, None, None, tables)
+        why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, tables=tables, check_scalars=False)
+        if why is None:
+            try:
+                hit = _static(weights, dys_t, x, states_list, rule, None, None, tables)
+            except Exception as e:   # the kernel module did not build (another triton's Gluon API)
+                why = f"grouped kernel failed: {type(e).__name__}: {str(e)[:300]}"
+        hit = why if why is not None else hit
         with _LOCK:
             if len(_MEMO) >= _MEMO_SIZE:
                 _MEMO.clear()
@@ -454,9 +460,16 @@ def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, t
         if any(host_scalars(ep, split_states(rule, st)[1], hp) != first
                for st, hp in zip(states_list[1:], hparams_list[1:])):
             return False
-    kernel, grid, args, opts, scalar_states, new = _bind(hit, weights, dys_t, x, states_list, hparams_list, rule,
-                                                         tables)
-    kernel[grid](*args, **opts)
+    try:
+        kernel, grid, args, opts, scalar_states, new = _bind(hit, weights, dys_t, x, states_list, hparams_list, rule,
+                                                             tables)
+        kernel[grid](*args, **opts)
+    except Exception as e:   # a build/compile failure (another triton's Gluon API): nothing ran, never again here
+        with _LOCK:
+            _MEMO[key] = f"grouped kernel failed: {type(e).__name__}: {str(e)[:300]}"
+        log.warning("forge: grouped wgrad kernel failed, launching the members one by one: %s: %s",
+                    type(e).__name__, str(e)[:300])
+        return False
     with torch.no_grad():
         for s, v in zip(scalar_states, new):
             s.fill_(v)
