@@ -292,9 +292,9 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     ep, src, why = wg._source_for(rule)
     if src is None:
         return why
-    if tables is None and check_scalars:
+    if tables is None:
         first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
-        for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
+        for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]) if check_scalars else (), 1):
             scal = host_scalars(ep, split_states(rule, st)[1], hp)
             if scal != first:
                 return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
