@@ -66,8 +66,11 @@ def _specs(args):
                 yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
                       f"{'/tf32' if args.tf32 else ''}{'/' + side if side else ''}", rules[rname], cname, "triton", side
         for lname in filter(lambda v: v != "none", args.layouts.split(",")):
-            if lname == "group":   # several weights in one launch (wgrad_update_group): no table, no side output
-                yield f"{rname}/group", rules[rname], None, "group", None
+            if lname == "group":   # several weights in one launch (wgrad_update_group)
+                for table in ((False, True) if args.table == "both" else (args.table == "on",)):
+                    for side in [None] + (["cast"] if args.cast_out else []):
+                        yield (f"{rname}/group{'/table' if table else ''}{'/' + side if side else ''}", rules[rname],
+                               None, ("group", table), side)
                 continue
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
                 sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
@@ -124,21 +127,25 @@ def compile_one(rule, cfg, table, side, n, k, m):
     return _ptxas_row(ck)
 
 
-def compile_group(rule, n, k, m, members=3):
+def compile_group(rule, n, k, m, members=3, table=False, side=None):
     """The grouped kernel (kernels/wgrad_update_group.py) for ``members`` weights [n, k] (the last one n - 56 rows
-    long: a ragged member) sharing x [m, k]."""
+    long: a ragged member) sharing x [m, k]; ``table``: each member's scalar-table row; ``side="cast"``: each
+    member's bf16 copy of its new W."""
     from forge_compile.kernels import wgrad_update_group as gr
 
     gen = torch.Generator().manual_seed(0)
     ns = [n] * (members - 1) + [n - 56]
     ws = [torch.randn(r, k, generator=gen) for r in ns]
     sts = [[torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(r, k, generator=gen)
-            for i in range(len(rule.states))] for r in ns]
+            for i in range(len(rule.states)) if not (table and rule.is_scalar_state(i))] for r in ns]
     dys = [torch.randn(m, r, generator=gen).bfloat16().t() for r in ns]
     x = torch.randn(m, k, generator=gen).bfloat16()
     hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
-    kernel, grid, kargs, opts = gr._prepare(ws, dys, x, sts, [hp] * members, rule, max_ctas=132,
-                                            check_device=False)[:4]
+    tab = torch.zeros(members * 2, 16)
+    casts = [torch.empty(r, k, dtype=torch.bfloat16) for r in ns] if side == "cast" else None
+    kernel, grid, kargs, opts = gr._prepare(ws, dys, x, sts, [] if table else [hp] * members, rule, max_ctas=132,
+                                            check_device=False, tables=[tab[2 * i] for i in range(members)]
+                                            if table else None, side_outs=casts)[:4]
     return _ptxas_row(kernel.warmup(*kargs, grid=grid, **opts))
 
 
@@ -209,7 +216,7 @@ def main(argv=None):
         t0 = time.time()
         try:
             row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
-                   else compile_group(rule, n, k, m) if table == "group"
+                   else compile_group(rule, n, k, m, table=table[1], side=side) if isinstance(table, tuple)
                    else compile_one(rule, cfg, table, side, n, k, m))
         except Exception as e:   # report and go on
             failed.append(name)

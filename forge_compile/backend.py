@@ -397,7 +397,8 @@ def _functionalize_group(graph: fx.Graph, n: fx.Node, fake_mode, af_op) -> list:
     """_functionalize_fused for one grouped update: returns the (input, new value) pairs to copy back."""
     op = n.target
     weights, dys_t, x, states, last, rule = n.args
-    kwargs = dict(weights=list(weights), dys_t=list(dys_t), x=x, states=list(states), rule=rule)
+    # cast_outs by name too (auto_functionalized looks up every mutable argument); never given on this route
+    kwargs = dict(weights=list(weights), dys_t=list(dys_t), x=x, states=list(states), rule=rule, cast_outs=None)
     kwargs["hparams" if op is torch.ops.forge.wgrad_update_group_.default else "scalars"] = list(last)
     val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
     with fake_mode:

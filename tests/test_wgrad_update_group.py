@@ -207,6 +207,40 @@ def test_group_table_matches_separate_table_launches(name, max_ctas):
 
 
 @sm90
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("table", [False, True], ids=["host", "table"])
+def test_group_cast_copies_match_separate_launches(name, table):
+    # the cast option: each member's bf16 copy of its new W (side_out), written by the grouped launch at the
+    # member's offsets -- bitwise each member's own launch's copy, W and states too
+    from forge_compile.kernels.wgrad_update_triton import rule_scalars
+
+    rule = RULES[name]
+    ns, k, m = [384, 256, 72], 776, 1000
+    members, x = _members(rule, ns, k, m, "cuda")
+    ws, dys, _, sts, hps = _args(members, x)
+    casts = [torch.full_like(w, float("nan"), dtype=torch.bfloat16) for w in ws]
+    rows = None
+    if table:
+        tab = torch.zeros(6, 16, device="cuda")
+        rows = [tab[4], tab[0], tab[2]]
+        for row, st, hp in zip(rows, sts, hps):
+            values = rule_scalars(rule, split_states(rule, st)[1], hp)[0]
+            row[:len(values)] = torch.tensor(values, dtype=torch.float32)
+        sts = [split_states(rule, st)[0] for st in sts]
+    cfg = gr.group_config()
+    alone = [(w.clone(), [s_.clone() for s_ in st], torch.empty_like(c)) for w, st, c in zip(ws, sts, casts)]
+    for i, ((w, st, c), dy_t, hp) in enumerate(zip(alone, dys, hps)):
+        wg.launch(w, dy_t, x, st, [] if table else hp, rule, side_out=c, config=cfg,
+                  table=None if rows is None else rows[i])
+    gr.launch_group(ws, dys, x, sts, [] if table else hps, rule, config=cfg, tables=rows, side_outs=casts)
+    torch.cuda.synchronize()
+    for i, (w, st, c, (wa, sta, ca)) in enumerate(zip(ws, sts, casts, alone)):
+        assert torch.equal(c, ca), f"member {i}: the cast copy differs in {(c != ca).sum().item()} elements"
+        assert torch.equal(c, w.to(torch.bfloat16)), f"member {i}: the copy is not the new W cast"
+        assert torch.equal(w, wa) and all(torch.equal(a, b) for a, b in zip(st, sta)), f"member {i}"
+
+
+@sm90
 def test_try_launch_group_memo_and_fallback():
     # the op's path: the first call checks and remembers, later calls with the same tensors launch at once; members
     # whose scalars diverge (another step) are refused at the call, before anything runs
@@ -474,3 +508,37 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
     assert l1[0] == l2[0]
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=name)
+
+
+def test_pass_groups_with_the_cast_option(monkeypatch):
+    # cast_weights_in_update=True: each member's update also writes its bf16 copy (the grouped op passes them on);
+    # the same step bitwise, CPU members one by one
+    import forge_compile as forge
+    from forge_compile.passes import wgrad_update_group as gp
+
+    monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
+    runs = []
+    for group in (True, False):
+        monkeypatch.setenv(gp.ENV, "1" if group else "0")
+        model = _llama("cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+        @forge.compile_train_step(cast_weights_in_update=True)
+        def step(idx):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        gen = torch.Generator().manual_seed(1)
+        losses = [step(torch.randint(0, 256, (4, 65), generator=gen)).item() for _ in range(3)]
+        runs.append((model, losses, step.last_report))
+    (m1, l1, rep1), (m2, l2, _) = runs
+    assert any(n.startswith("grouped launches: 4 sets") for n in rep1.notes), rep1.notes
+    assert any(n.startswith("cast_weights_in_update: 15 fused") for n in rep1.notes), rep1.notes
+    assert l1 == l2
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), name

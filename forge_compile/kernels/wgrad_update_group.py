@@ -24,7 +24,8 @@ compiler keeps the 16-byte vector loads it proves for the single-weight kernel. 
 
 The rule's scalars (lr, bias corrections, ...) are taken once for the group: every member's host scalars must be
 equal (same hyperparameters, same step count), else ``group_reason`` says why and the caller launches them one by
-one. No side output (dW, the cast copy), no tied-embedding rows, no scalar table yet: those stay on the
+one -- or, with a scalar table, each member's own row, reloaded per tile. The new W's bf16/fp16 copy (the cast
+option) is written per member like W; no dW side output and no tied-embedding rows: those stay on the
 single-weight launches.
 
 Read top to bottom: the kernel template (rendered after the split kernel's module, whose pieces it calls), the
@@ -95,19 +96,21 @@ def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs
 
 
 @gluon.jit
-def _group_base(t, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN: gl.constexpr, BK: gl.constexpr,
-                GROUP: gl.constexpr):
-    # first row/column of tile t in the stacked rows, then per array the element offset from member 0's pointer
-    # to the tile's member (offsets passed as increments per member, in 16-byte units)
+def _group_base(t, num_tiles, num_n, num_k, s1, s2, s3, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr):
+    # first row/column of tile t in the stacked rows, and its member (the number of members' first rows it passed)
     row0, col0 = _tile_base(t, num_tiles, num_n, num_k, BN, BK, GROUP)
-    g1 = (row0 >= s1).to(gl.int32)
-    g2 = (row0 >= s2).to(gl.int32)
-    g3 = (row0 >= s3).to(gl.int32)
-    return (row0, col0, {gdelta_selects})
+    return (row0, col0, (row0 >= s1).to(gl.int32) + (row0 >= s2).to(gl.int32) + (row0 >= s3).to(gl.int32))
 
 
 @gluon.jit
-def _group_ahead0(t0, C0: gl.constexpr, base, w_ptr, {state_ptrs}num_tiles, N, K, BK: gl.constexpr,
+def _delta(g, e1, e2, e3):
+    # member g's offset: the increments of the members up to g (16-byte units for the arrays, elements for rows);
+    # recomputed at each use from the arguments rather than carried in registers beside the tile bases
+    return (g >= 1).to(gl.int32) * e1 + (g >= 2).to(gl.int32) * e2 + (g >= 3).to(gl.int32) * e3
+
+
+@gluon.jit
+def _group_ahead0(t0, C0: gl.constexpr, base, w_ptr, {state_ptrs}{gdelta_params}num_tiles, N, K, BK: gl.constexpr,
                   R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr):
     ahead = ()
     for d in gl.static_range(AHEAD):
@@ -117,12 +120,15 @@ def _group_ahead0(t0, C0: gl.constexpr, base, w_ptr, {state_ptrs}num_tiles, N, K
 
 
 @gluon.jit
-def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, num_tiles, N, K,
+def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}{gdelta_params}tstep,
+                num_tiles, N, K,
                 BK: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr, L: gl.constexpr, BIG: gl.constexpr,
-                LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr):
-    # _smem_step_at with each array's pointer moved to the tile's member (base[2:], base_nx[2:] for the chunk
-    # loaded ahead when it lies in the warpgroup's next tile)
+                LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr, C0: gl.constexpr, CNT: gl.constexpr,
+                STORE: gl.constexpr):
+    # _smem_step_at with each array's pointer moved to the tile's member (base[2], base_nx[2] for the chunk loaded
+    # ahead when it lies in the warpgroup's next tile)
     nx = (c + AHEAD) // CNT
+    gn = base[2] + nx * (base_nx[2] - base[2])
     offs, msk = _chunk_at(base[0] + nx * (base_nx[0] - base[0]), base[1] + nx * (base_nx[1] - base[1]),
                           t + nx * tstep, C0 + (c + AHEAD) % CNT, num_tiles, N, K, BK, R, L, BIG)
     nxt = _smem_load_at(offs, msk, {ptrs_nx}LD_EV)
@@ -130,7 +136,7 @@ def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scala
     g = dw.index(C0 + c).load(L)
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
-    _smem_store_at(offs, msk, {new_vars}, g, {ptrs_cur}g_ptr, 0, ST_EV, ST_CM)
+    _smem_store_at(offs, msk, {new_vars}, g, {ptrs_cur}{gptr_cur}, STORE, ST_EV, ST_CM)
     return ahead[1:] + (nxt, )
 
 
@@ -138,7 +144,7 @@ def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scala
 def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
                {gdelta_params}H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr):
+               ST_CM: gl.constexpr, STORE: gl.constexpr):
     # _split_epi (one dW tile, hoisted tile bases) over the stacked rows
     CNT: gl.constexpr = BN // 2 // R
     gl.static_assert(AHEAD <= CNT)
@@ -146,15 +152,17 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
     dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    base = _group_base(pid, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
-    ahead = _group_ahead0(pid, H * CNT, base, w_ptr, {state_ptrs}num_tiles, N, K, BK, R, AHEAD, BIG, LD_EV)
+    base = _group_base(pid, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
+    ahead = _group_ahead0(pid, H * CNT, base, w_ptr, {state_ptrs}{gdelta_params}num_tiles, N, K, BK, R, AHEAD, BIG,
+                          LD_EV)
     r = 0
     for t in range(pid, num_tiles, nprog):
         mbarrier.wait(dw_bar.index(0), r & 1)
-{group_scalar_loads}        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, {gdelta_params}BN, BK, GROUP)
+{group_scalar_loads}        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
         for c in range(CNT):
-            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}nprog,
-                                num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM, H * CNT, CNT)
+            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
+                                {gdelta_params}nprog, num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM,
+                                H * CNT, CNT, STORE)
         base = base_nx
         gl.thread_barrier()
         mbarrier.arrive(dw_bar.index(1))
@@ -164,9 +172,10 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
 @gluon.jit
 def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2,
                 s3, {gdelta_params}BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
-                AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr):
+                AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
+                STORE: gl.constexpr):
     _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
-               {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)
+               {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)
 
 
 @gluon.jit
@@ -174,7 +183,7 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_
                               {group_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
                               GROUP: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr,
                               BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -194,9 +203,9 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_
     gl.warp_specialize([
         (_split_mma, (dy_desc0, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
         (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
-                      s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+                      s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
         (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
-                       s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM)),
+                       s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
         (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles,
                          num_n, num_k, s1, s2, s3, GROUP, STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -213,22 +222,21 @@ def render_group_source(ep, table: bool = False) -> str:
     n = ep.n_kernel_scalars
     if table:
         scal = dict(group_scalar_params="scal_ptr, sq1, sq2, sq3, ", group_scalar_loads=(
-            " " * 8 + "sro = (base[0] >= s1).to(gl.int32) * sq1 + (base[0] >= s2).to(gl.int32) * sq2 + "
-            "(base[0] >= s3).to(gl.int32) * sq3\n"
+            " " * 8 + "sro = _delta(base[2], sq1, sq2, sq3)\n"
             + "".join(f"        c{i} = gl.load(scal_ptr + sro + {i})\n" for i in range(n))))
     else:
         scal = dict(group_scalar_params="".join(f"c{i}, " for i in range(n)), group_scalar_loads="")
     arrays = ["w", *ep.tensor_inputs[2:]]
     # the offsets are int32 16-byte units (group_reason: arrays within 32 GiB): two fewer registers each than an
     # int64, and the scale by 4 elements keeps the pointers' 16-byte alignment provable
-    cur = [f"{a}_ptr + base[{2 + i}].to(gl.int64) * 4" for i, a in enumerate(arrays)]
-    nxt = [f"{a}_ptr + (base[{2 + i}] + nx * (base_nx[{2 + i}] - base[{2 + i}])).to(gl.int64) * 4"
-           for i, a in enumerate(arrays)]
+    cur = [f"{a}_ptr + _delta(base[2], {a}_e1, {a}_e2, {a}_e3).to(gl.int64) * 4" for a in arrays]
+    nxt = [f"{a}_ptr + _delta(gn, {a}_e1, {a}_e2, {a}_e3).to(gl.int64) * 4" for a in arrays]
+    # the side output (STORE=2: the new W's bf16/fp16 copy, 8 elements per 16 bytes) has its offsets last
     group = dict(
-        gdelta_params="".join(f"{a}_e{j}, " for a in arrays for j in (1, 2, 3)),
-        gdelta_selects=", ".join(f"g1 * {a}_e1 + g2 * {a}_e2 + g3 * {a}_e3" for a in arrays),
+        gdelta_params="".join(f"{a}_e{j}, " for a in arrays + ["g"] for j in (1, 2, 3)),
         ptrs_cur="".join(f"{p}, " for p in cur),
         ptrs_nx="".join(f"{p}, " for p in nxt),
+        gptr_cur="g_ptr + _delta(base[2], g_e1, g_e2, g_e3).to(gl.int64) * 8",
     )
     return wg.render_gluon_source(ep, "split") + _GROUP_KERNEL.format(**fields, **group, **scal)
 
@@ -252,7 +260,7 @@ def _kernel_for(rule: Rule, table: bool = False):
 
 
 def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
-                 check_device: bool = True, tables=None, check_scalars: bool = True) -> str | None:
+                 check_device: bool = True, tables=None, check_scalars: bool = True, side_outs=None) -> str | None:
     """None when these G members can run as one ``launch_group``, else why not (the caller then launches them one
     by one). ``dys_t[g]`` is member g's dY transposed ([N_g, M]), ``states_list[g]`` its rule states,
     ``hparams_list[g]`` its hyperparameters -- or, with ``tables`` (member g's scalar-table row each), its tensor
@@ -283,8 +291,16 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
             return f"member {i} is on {w.device}, member 0 on {weights[0].device}"
     if sum(w.shape[0] for w in weights) >= _NO_START:
         return "more than 2^31 - 1 stacked rows"
+    if side_outs is not None:
+        if len(side_outs) != g:
+            return "one side output per member"
+        for i, (w, so) in enumerate(zip(weights, side_outs)):
+            if (so.dtype not in (torch.bfloat16, torch.float16) or so.dtype != side_outs[0].dtype
+                    or so.shape != w.shape or not so.is_contiguous() or so.device != w.device):
+                return (f"member {i}: the side output must be the weight's bf16/fp16 copy (contiguous, its shape), "
+                        "one dtype for all")
     try:
-        offsets = _member_offsets(weights, states_list, rule, k, tables)
+        offsets = _member_offsets(weights, states_list, rule, k, tables, side_outs)
     except ValueError as e:   # states that do not match the rule
         return str(e)
     if offsets is None:
@@ -308,7 +324,8 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
                 return f"member {i}: {e}"
     if check_device:
         for i, (w, dy_t, st) in enumerate(zip(weights, dys_t, states_list)):
-            why = wg.gluon_reason(w, dy_t, x, st, rule, table=None if tables is None else tables[i])
+            why = wg.gluon_reason(w, dy_t, x, st, rule, None if side_outs is None else side_outs[i],
+                                  table=None if tables is None else tables[i])
             if why is not None:
                 return f"member {i}: {why}"
     return None
@@ -327,12 +344,13 @@ def _row_increments(tables) -> list[int] | None:
     return incs if all(-2 ** 31 <= v < 2 ** 31 for v in offs + incs) else None
 
 
-def _member_offsets(weights, states_list, rule: Rule, k: int, tables=None) -> list[int] | None:
-    """Per array (W, then each tensor state), member g's element offset from member 0's pointer minus its first
-    row's (start_g * K), in 16-byte units, as increments from member g-1 for g = 1, 2, 3 (the kernel adds those its
-    tile's row has passed; absent members add 0). None when an array is not 16-byte aligned or an offset leaves
-    int32."""
+def _member_offsets(weights, states_list, rule: Rule, k: int, tables=None, side_outs=None) -> list[int] | None:
+    """Per array (W, each tensor state, then the side output: the kernel's g_ptr), member g's element offset from
+    member 0's pointer minus its first row's (start_g * K), in 16-byte units, as increments from member g-1 for
+    g = 1, 2, 3 (the kernel adds those its tile's row has passed; absent members add 0); the side output's are 0
+    without one. None when an array is not 16-byte aligned or an offset leaves int32."""
     arrays = [[w, *split_states(rule, st, None if tables is None else tables[g])[0]]
+              + ([side_outs[g]] if side_outs is not None else [])
               for g, (w, st) in enumerate(zip(weights, states_list))]
     incs, every, start = [], [], [sum(w.shape[0] for w in weights[:g]) for g in range(len(weights))]
     for a in range(len(arrays[0])):
@@ -341,27 +359,32 @@ def _member_offsets(weights, states_list, rule: Rule, k: int, tables=None) -> li
             d = arr[a].data_ptr() - arrays[0][a].data_ptr()
             if d % 16 or arr[a].data_ptr() % 16:
                 return None
-            offs.append((d // 4 - start[g] * k) // 4)     # K % 8 == 0: start_g * K is a multiple of 4 elements
+            size = arr[a].element_size()       # 4 (fp32 W/states), 2 (the cast copy): 16 // size per unit
+            # K % 8 == 0: start_g * K is a whole number of 16-byte units for either size
+            offs.append((d // size - start[g] * k) // (16 // size))
         offs += [offs[-1]] * (G_MAX - len(offs))
         incs += [offs[j] - offs[j - 1] for j in (1, 2, 3)]
         every += offs
+    if side_outs is None:
+        incs += [0, 0, 0]
     if any(not -2 ** 31 <= v < 2 ** 31 for v in every + incs):
         return None
     return incs
 
 
 def _prepare(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
-             max_ctas: int | None = None, check_device: bool = True, tables=None):
+             max_ctas: int | None = None, check_device: bool = True, tables=None, side_outs=None):
     """(kernel, grid, args, opts, scalar states, their new values): ValueError when ``group_reason`` refuses.
     check_device=False: benchmarks/compile_sm90.py prepares launches on CPU tensors to compile them."""
-    why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, config, check_device, tables)
+    why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, config, check_device, tables,
+                       side_outs=side_outs)
     if why is not None:
         raise ValueError(f"forge: weights cannot share one grouped launch: {why}")
-    return _bind(_static(weights, dys_t, x, states_list, rule, config, max_ctas, tables), weights, dys_t, x,
-                 states_list, hparams_list, rule, tables)
+    return _bind(_static(weights, dys_t, x, states_list, rule, config, max_ctas, tables, side_outs), weights, dys_t,
+                 x, states_list, hparams_list, rule, tables, side_outs)
 
 
-def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables):
+def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables, side_outs=None):
     # what depends only on the tensors' addresses and shapes: the launch memo's entry
     cfg = config or group_config()
     m, k = x.shape
@@ -373,15 +396,16 @@ def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables
     ld_ev, st_ev, st_cm = wg._EVICT[cfg.evict]
     opts = dict(GROUP=cfg.group, STAGES=cfg.stages, R=cfg.epi_m, AHEAD=wg.smem_ahead(cfg, 1 + len(ts0)),
                 BIG=-(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31, LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
-                CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
+                STORE=0 if side_outs is None else 2, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
+                enable_fp_fusion=False)
     tail = (m, n_tot, k, *(starts[1:] + [_NO_START] * (G_MAX - len(ns))),
-            *_member_offsets(weights, states_list, rule, k, tables))
+            *_member_offsets(weights, states_list, rule, k, tables, side_outs))
     grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
     return (_kernel_for(rule, tables is not None), grid, opts, cfg, tail,
             None if tables is None else _row_increments(tables))
 
 
-def _bind(static, weights, dys_t, x, states_list, hparams_list, rule: Rule, tables):
+def _bind(static, weights, dys_t, x, states_list, hparams_list, rule: Rule, tables, side_outs=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel, grid, opts, cfg, tail, sq = static
@@ -393,24 +417,26 @@ def _bind(static, weights, dys_t, x, states_list, hparams_list, rule: Rule, tabl
     descs += [descs[0]] * (G_MAX - len(descs))
     x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
     w0 = weights[0]
+    g0 = w0 if side_outs is None else side_outs[0]
     if tables is not None:
         ts0 = split_states(rule, states_list[0], tables[0])[0]
-        args = (*descs, x_desc, w0, *ts0, w0, tables[0], *sq, *tail)
+        args = (*descs, x_desc, w0, *ts0, g0, tables[0], *sq, *tail)
         return kernel, grid, args, opts, [], []
     ep = wg._source_for(rule)[0]
     per = [split_states(rule, st) for st in states_list]
     scalars, new = host_scalars(ep, per[0][1], hparams_list[0])
-    args = (*descs, x_desc, w0, *per[0][0], w0, *scalars, *tail)
+    args = (*descs, x_desc, w0, *per[0][0], g0, *scalars, *tail)
     return kernel, grid, args, opts, [s for _, sc in per for s in sc], list(new) * len(per)
 
 
 def launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *, config: wg.GConfig | None = None,
-                 max_ctas: int | None = None, tables=None) -> None:
+                 max_ctas: int | None = None, tables=None, side_outs=None) -> None:
     """Update every member in one launch (ValueError, before anything runs, when ``group_reason`` refuses); each
     member's scalar states advance as its own launch would advance them. ``tables``: member g's scalar-table row
-    each (``states_list`` then holds the tensor states alone, ``hparams_list`` is ignored)."""
+    each (``states_list`` then holds the tensor states alone, ``hparams_list`` is ignored). ``side_outs``: member
+    g's bf16/fp16 copy of its new W each (compile_train_step(cast_weights_in_update=True))."""
     kernel, grid, args, opts, scalar_states, new = _prepare(weights, dys_t, x, states_list, hparams_list, rule,
-                                                            config, max_ctas, tables=tables)
+                                                            config, max_ctas, tables=tables, side_outs=side_outs)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, v in zip(scalar_states, new):
@@ -423,26 +449,27 @@ _MEMO: dict = {}
 _MEMO_SIZE = 4096
 
 
-def _key(weights, dys_t, x, states_list, rule: Rule, tables):
+def _key(weights, dys_t, x, states_list, rule: Rule, tables, side_outs):
     def t(v):
         return (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype, v.device) if v.dim() else None
 
     return (rule.name, wg._mode(), tables is not None, t(x), tuple(map(t, weights)), tuple(map(t, dys_t)),
             tuple(tuple(map(t, st)) for st in states_list),
-            None if tables is None else tuple(map(t, tables)))
+            None if tables is None else tuple(map(t, tables)), None if side_outs is None else tuple(map(t, side_outs)))
 
 
-def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, tables=None) -> bool:
+def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, tables=None, side_outs=None) -> bool:
     """One grouped launch if these members can share it -- the op's path: False (nothing done) sends the caller to
     the members' own launches. The checks run once per set of tensors (memoized); the members' scalars are compared
     at every call (the step advances them)."""
-    key = _key(weights, dys_t, x, states_list, rule, tables)
+    key = _key(weights, dys_t, x, states_list, rule, tables, side_outs)
     hit = _MEMO.get(key)
     if hit is None:
-        why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, tables=tables, check_scalars=False)
+        why = group_reason(weights, dys_t, x, states_list, hparams_list, rule, tables=tables, check_scalars=False,
+                           side_outs=side_outs)
         if why is None:
             try:
-                hit = _static(weights, dys_t, x, states_list, rule, None, None, tables)
+                hit = _static(weights, dys_t, x, states_list, rule, None, None, tables, side_outs)
             except Exception as e:   # the kernel module did not build (another triton's Gluon API)
                 why = f"grouped kernel failed: {type(e).__name__}: {str(e)[:300]}"
         hit = why if why is not None else hit
@@ -462,7 +489,7 @@ def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, t
             return False
     try:
         kernel, grid, args, opts, scalar_states, new = _bind(hit, weights, dys_t, x, states_list, hparams_list, rule,
-                                                             tables)
+                                                             tables, side_outs)
         kernel[grid](*args, **opts)
     except Exception as e:   # a build/compile failure (another triton's Gluon API): nothing ran, never again here
         with _LOCK:
@@ -477,11 +504,11 @@ def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, t
 
 
 def bound_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, *,
-                       config: wg.GConfig | None = None, max_ctas: int | None = None, tables=None):
+                       config: wg.GConfig | None = None, max_ctas: int | None = None, tables=None, side_outs=None):
     """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are NOT
     advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weights, dys_t, x, states_list, hparams_list, rule, config, max_ctas,
-                                              tables=tables)
+                                              tables=tables, side_outs=side_outs)
     return lambda: kernel[grid](*args, **opts)
 
 
@@ -493,9 +520,9 @@ def bound_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule,
 # kernel does not take), the op runs each member's own forge::wgrad_update_ path: the same result either way.
 _LIB = torch.library.Library("forge", "FRAGMENT")
 _LIB.define("wgrad_update_group_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
-            "Tensor[] hparams, str rule) -> ()", tags=_compat.cudagraph_unsafe_tags())
+            "Tensor[] hparams, str rule, Tensor(c!)[]? cast_outs=None) -> ()", tags=_compat.cudagraph_unsafe_tags())
 _LIB.define("wgrad_update_group_table_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
-            "Tensor[] scalars, str rule) -> ()")
+            "Tensor[] scalars, str rule, Tensor(c!)[]? cast_outs=None) -> ()")
 
 
 def _split(flat, g: int) -> list:
@@ -503,34 +530,36 @@ def _split(flat, g: int) -> list:
     return [list(flat[i * n:(i + 1) * n]) for i in range(g)]
 
 
-def wgrad_update_group_(weights, dys_t, x, states, hparams, rule):
+def wgrad_update_group_(weights, dys_t, x, states, hparams, rule, cast_outs=None):
     from .wgrad_update import wgrad_update
 
     r = get_rule(rule)
     g = len(weights)
     sts, hps = _split(states, g), _split(hparams, g)
-    if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, hps, r)):
+    casts = list(cast_outs) if cast_outs is not None else None
+    if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, hps, r, side_outs=casts)):
         counters["member_launches"] += g
-        for w, dy_t, st, hp in zip(weights, dys_t, sts, hps):
-            wgrad_update(w, dy_t, x, st, hp, rule)
+        for i, (w, dy_t, st, hp) in enumerate(zip(weights, dys_t, sts, hps)):
+            wgrad_update(w, dy_t, x, st, hp, rule, cast_out=None if casts is None else casts[i])
     else:
         counters["grouped_launches"] += 1
-    torch.autograd.graph.increment_version([*weights, *states])
+    torch.autograd.graph.increment_version([*weights, *states, *(casts or [])])
 
 
-def wgrad_update_group_table_(weights, dys_t, x, states, scalars, rule):
+def wgrad_update_group_table_(weights, dys_t, x, states, scalars, rule, cast_outs=None):
     from .wgrad_update import wgrad_update_table
 
     g = len(weights)
     sts = _split(states, g)
+    casts = list(cast_outs) if cast_outs is not None else None
     if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, [], get_rule(rule),
-                                                    tables=list(scalars))):
+                                                    tables=list(scalars), side_outs=casts)):
         counters["member_launches"] += g
-        for w, dy_t, st, row in zip(weights, dys_t, sts, scalars):
-            wgrad_update_table(w, dy_t, x, st, row, rule)
+        for i, (w, dy_t, st, row) in enumerate(zip(weights, dys_t, sts, scalars)):
+            wgrad_update_table(w, dy_t, x, st, row, rule, None if casts is None else casts[i])
     else:
         counters["grouped_launches"] += 1
-    torch.autograd.graph.increment_version([*weights, *states])
+    torch.autograd.graph.increment_version([*weights, *states, *(casts or [])])
 
 
 _LIB.impl("wgrad_update_group_", wgrad_update_group_, "CompositeExplicitAutograd")
@@ -538,10 +567,10 @@ _LIB.impl("wgrad_update_group_table_", wgrad_update_group_table_, "CompositeExpl
 
 
 @torch.library.register_fake("forge::wgrad_update_group_", lib=_LIB)
-def _(weights, dys_t, x, states, hparams, rule):
+def _(weights, dys_t, x, states, hparams, rule, cast_outs=None):
     return None
 
 
 @torch.library.register_fake("forge::wgrad_update_group_table_", lib=_LIB)
-def _(weights, dys_t, x, states, scalars, rule):
+def _(weights, dys_t, x, states, scalars, rule, cast_outs=None):
     return None

@@ -6,7 +6,8 @@ is a small weight whose persistent launch is mostly pipeline fill and drain. One
 was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md "Several weights in one launch").
 
 When members are grouped (all must hold, else they stay single):
-- the same rule, no side output (cast copy) and no tied-embedding rows (the grouped kernel writes neither);
+- the same rule, no tied-embedding rows (the grouped kernel does not add them), a cast copy (cast_out, the
+  cast_weights_in_update option) for all members or none;
 - the same X: the same node, or the same views/transposes of one node;
 - weights fp32 2-D on a device of GROUP_DEVICES (CUDA: elsewhere the grouped op would only run the members'
   launches in turn); at most one member whose row count is not a multiple of 128, placed last;
@@ -49,8 +50,11 @@ def group_updates_enabled() -> bool:
 # devices whose fused updates are grouped (tests add "cpu": the op then runs the members' CPU paths, exactly)
 GROUP_DEVICES = {"cuda"}
 _TILE_ROWS = 128      # the grouped kernel's tile: every member but the last needs N % 128 == 0
+# ops through which two fused updates' X are compared: views, and the dtype casts autocast puts before each
+# linear separately (q, k and v each cast the same normed hidden state: three nodes, one value)
 _VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.detach.default, aten.alias.default, aten.expand.default}
+          aten.reshape.default, aten.detach.default, aten.alias.default, aten.expand.default,
+          aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 def _meta(node):
@@ -58,8 +62,8 @@ def _meta(node):
 
 
 def _x_key(node: fx.Node):
-    """(root node, the view ops applied to it): equal keys read equal values. A node remat_for_backward copied into
-    the backward counts as its original (it computes the same values from the same inputs)."""
+    """(root node, the view and cast ops applied to it): equal keys read equal values. A node remat_for_backward
+    copied into the backward counts as its original (it computes the same values from the same inputs)."""
     chain = []
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS:
         chain.append((node.target, tuple(a for a in node.args[1:]), tuple(sorted(node.kwargs.items()))))
@@ -70,8 +74,9 @@ def _x_key(node: fx.Node):
 
 
 def _member(n: fx.Node):
-    """(weight, dy_t, x, states, last, rule) of a plain fused update (last: hparams or the table row), or None."""
-    if any(v is not None for v in n.kwargs.values()) or len(n.args) != 6:
+    """(weight, dy_t, x, states, last, rule) of a fused update the grouped kernel can take (last: hparams or the
+    table row), or None: a tied embedding's rows are not added by it; the cast copy (cast_out) is written."""
+    if any(v is not None for k, v in n.kwargs.items() if k != "cast_out") or len(n.args) != 6:
         return None
     w = _meta(n.args[0])
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.float32:
@@ -82,9 +87,9 @@ def _member(n: fx.Node):
 
 
 def _movable(m: fx.Node, pos: int, nodes: list, order: dict) -> bool:
-    """Nothing in (m, pos) reads or writes m's weight/states or writes its dY / X."""
+    """Nothing in (m, pos) reads or writes m's weight/states/cast copy or writes its dY / X."""
     w, dy_t, x, states = m.args[:4]
-    mine = {view_root(a) for a in [w, *states] if isinstance(a, fx.Node)}
+    mine = {view_root(a) for a in [w, *states, m.kwargs.get("cast_out")] if isinstance(a, fx.Node)}
     inputs = {view_root(a) for a in (dy_t, x) if isinstance(a, fx.Node)}
     for u in nodes[order[m] + 1:pos + 1]:
         if any(view_root(i) in mine for i in u.all_input_nodes):
@@ -109,7 +114,10 @@ def group_wgrad_updates(gm: fx.GraphModule, names: dict | None = None, max_membe
             continue
         w, dy_t, x, _, _, rule = n.args
         dv = _meta(dy_t)
-        key = (n.target, rule, _x_key(x), None if dv is None else dv.dtype, _meta(w).shape[1])
+        cast = _meta(n.kwargs.get("cast_out"))
+        # members write a cast copy all or none (one kernel), of one dtype
+        key = (n.target, rule, _x_key(x), None if dv is None else dv.dtype, _meta(w).shape[1],
+               None if cast is None else cast.dtype)
         buckets.setdefault(key, []).append(n)
     made = []
     cap = min(G_MAX, max_members or G_MAX)
@@ -144,8 +152,10 @@ def _replace(graph: fx.Graph, grp: list, tabled: bool, pos: int, nodes: list) ->
     args = (weights, [m.args[1] for m in grp], grp[0].args[2], [s for m in grp for s in m.args[3]],
             [m.args[4] for m in grp] if tabled else [h for m in grp for h in m.args[4]], grp[0].args[5])
     op = torch.ops.forge.wgrad_update_group_table_ if tabled else torch.ops.forge.wgrad_update_group_
+    casts = [m.kwargs.get("cast_out") for m in grp]
+    kwargs = {"cast_outs": casts} if casts[0] is not None else {}
     with graph.inserting_after(anchor):
-        new = graph.call_function(op.default, args)
+        new = graph.call_function(op.default, args, kwargs)
     new.meta["forge"] = "wgrad_update"
     new.meta["val"] = None
     for m in grp:
