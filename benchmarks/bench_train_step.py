@@ -26,7 +26,7 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
   backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
                    fused updates then read a device scalar table)
-  step_graphs_group, backend_graphs_group  (only with --routes) step_graphs / backend_graphs with
+  step_graphs_group, step_graphs_cast_group, backend_graphs_group  (only with --routes) those routes with
                    FORGE_GROUP_UPDATES=1: the fused updates that read the same input (q/k/v, gate/up) share one
                    launch (passes/wgrad_update_group.py); every other route runs with FORGE_GROUP_UPDATES=0
 The forge routes ask for AdamW(fused=True) too and fall back to fused=False (printed) where forge raises
@@ -80,13 +80,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
-          "step_graphs_recompute", "step_graphs_cast", "backend", "backend_graphs", "backend_graphs_group")   # table order
+          "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group", "backend", "backend_graphs",
+          "backend_graphs_group")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast")
+STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",
+               "step_graphs_cast_group")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast", "baseline_graphs",
-                "backend_graphs", "backend_graphs_group")   # replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",
+                "step_graphs_cast_group", "baseline_graphs", "backend_graphs", "backend_graphs_group")   # replayed CUDA graphs
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
 GIB = 2 ** 30
 
