@@ -348,11 +348,11 @@ def test_cuda_grouped_step_is_the_ungrouped_step(monkeypatch, cuda_graphs):
                                  tokens=(16, 64))
     torch.cuda.synchronize()
     # The updates themselves are bitwise (the kernel tests above); the two graphs differ (the members' X casts
-    # are deduplicated), and Inductor may fuse the rest of the backward differently -- rounding, never a whole
-    # update (~lr = 1e-2)
+    # are deduplicated) and Inductor may fuse the rest of the bf16 backward differently: a rounding change there
+    # moves an AdamW update by up to ~1e-3 of itself (1e-5 here); a wrong member or stale W moves W by ~lr = 1e-2
     assert l1[0] == l2[0]
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
 
 
 # ---- the pass on the scalar-table path (cuda_graphs=True), on CPU through Triton's interpreter ------------------
@@ -508,9 +508,11 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
     m2, _, l2, _ = _train_llama_backend(False, monkeypatch, table=table, tokens=(16, 64), device="cuda",
                                         autocast=torch.bfloat16)
     torch.cuda.synchronize()
+    # as in test_cuda_grouped_step_is_the_ungrouped_step: bf16 rounding elsewhere in the backward moves an update
+    # by ~1e-5 at most, a wrong member or stale W by ~lr = 1e-2
     assert l1[0] == l2[0]
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):
