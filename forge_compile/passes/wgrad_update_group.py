@@ -8,7 +8,8 @@ was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md "Severa
 When members are grouped (all must hold, else they stay single):
 - the same rule, no tied-embedding rows (the grouped kernel does not add them), a cast copy (cast_out, the
   cast_weights_in_update option) for all members or none;
-- the same X: the same node, or the same views/transposes of one node;
+- the same X: the same node, or the same views / transposes / dtype casts of one node (or of its copy made by
+  remat_for_backward);
 - weights fp32 2-D on a device of GROUP_DEVICES (CUDA: elsewhere the grouped op would only run the members'
   launches in turn); at most one member whose row count is not a multiple of 128, placed last;
 - nothing between a member's own position and the group's (the last member's) reads or writes its weight or
