@@ -87,8 +87,8 @@ DEFAULT_ROUTES = ("baseline", "step", "backend")
 STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",
                "step_graphs_cast_group")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",
-                "step_graphs_cast_group", "baseline_graphs", "backend_graphs", "backend_graphs_group")   # replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",   # replayed CUDA graphs
+                "step_graphs_cast_group", "baseline_graphs", "backend_graphs", "backend_graphs_group")
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
 GIB = 2 ** 30
 

@@ -61,7 +61,7 @@ from .kernels.wgrad_update_triton import split_states
 from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
-from .passes.wgrad_update_group import group_updates_enabled, group_wgrad_updates
+from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
 from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
 from .report import FusionReport
 
@@ -393,13 +393,11 @@ def _peek_states(opt, pl):
     return states, hps
 
 
-def _functionalize_group(graph: fx.Graph, n: fx.Node, fake_mode, af_op) -> list:
-    """_functionalize_fused for one grouped update: returns the (input, new value) pairs to copy back."""
+def _auto_functionalize(graph: fx.Graph, n: fx.Node, kwargs: dict, mutated: list, fake_mode, af_op) -> list:
+    """``n`` (a forge update op) replaced by ``auto_functionalized(op, **kwargs)``; ``mutated``: (output index,
+    the input it replaces: one node or a list of them) per mutable argument. Returns the (input, new value) pairs
+    to copy back at the end of the graph."""
     op = n.target
-    weights, dys_t, x, states, last, rule = n.args
-    # cast_outs by name too (auto_functionalized looks up every mutable argument); never given on this route
-    kwargs = dict(weights=list(weights), dys_t=list(dys_t), x=x, states=list(states), rule=rule, cast_outs=None)
-    kwargs["hparams" if op is torch.ops.forge.wgrad_update_group_.default else "scalars"] = list(last)
     val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
     with fake_mode:
         val = af_op(op, **val_kwargs)
@@ -408,7 +406,12 @@ def _functionalize_group(graph: fx.Graph, n: fx.Node, fake_mode, af_op) -> list:
         af = graph.call_function(af_op, (op,), kwargs)
         af.meta["val"] = val
         af.meta["forge"] = "wgrad_update"
-        for idx, inputs in ((1, weights), (2, states)):
+        for idx, inputs in mutated:
+            if isinstance(inputs, fx.Node):
+                new = graph.call_function(operator.getitem, (af, idx))
+                new.meta["val"] = val[idx]
+                copies.append((inputs, new))
+                continue
             if not inputs:
                 continue
             lst = graph.call_function(operator.getitem, (af, idx))
@@ -436,35 +439,20 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies = []
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target in group_ops:
-            copies += _functionalize_group(graph, n, fake_mode, af_op)
-            continue
-        if n.op != "call_function" or n.target not in ops:
+        if n.op != "call_function" or n.target not in ops + group_ops:
             continue
         op = n.target
-        weight, dy_t, x, states, last, rule = n.args       # last: the hyper-parameters, or the table row
-        # every mutable argument by name, the optional cast_out too (auto_functionalized looks each one up); the
-        # Dynamo route never passes it (its forward is another graph: nothing there could read the copy)
-        kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None)
-        kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
-        val_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], kwargs)
-        with fake_mode:
-            val = af_op(op, **val_kwargs)
-        with graph.inserting_before(n):
-            af = graph.call_function(af_op, (op,), kwargs)
-            af.meta["val"] = val
-            af.meta["forge"] = "wgrad_update"
-            new_w = graph.call_function(operator.getitem, (af, 1))
-            new_w.meta["val"] = val[1]
-            copies.append((weight, new_w))
-            if states:
-                lst = graph.call_function(operator.getitem, (af, 2))
-                lst.meta["val"] = val[2]
-                for i, s in enumerate(states):
-                    g = graph.call_function(operator.getitem, (lst, i))
-                    g.meta["val"] = val[2][i]
-                    copies.append((s, g))
-        graph.erase_node(n)
+        weight, dy_t, x, states, last, rule = n.args       # last: the hyper-parameters, or the table row(s)
+        # every mutable argument by name, the optional cast copies too (auto_functionalized looks each one up); the
+        # Dynamo route never passes them (its forward is another graph: nothing there could read the copy)
+        if op in group_ops:
+            kwargs = dict(weights=list(weight), dys_t=list(dy_t), x=x, states=list(states), rule=rule, cast_outs=None)
+            kwargs["hparams" if op is group_ops[0] else "scalars"] = list(last)
+            weight = list(weight)
+        else:
+            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None)
+            kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
+        copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
     with graph.inserting_before(out_node):
         for dst, src in copies:
             c = graph.call_function(aten.copy_.default, (dst, src))
@@ -627,7 +615,7 @@ class _Compilation:
                         graph.erase_node(w)
                 else:
                     passed.append((pl, True, w))
-            table, table_note, group_note = None, None, None
+            table, table_note, grouped_note = None, None, None
             if self.scalar_table and any(i not in unfused for i, _ in cands):
                 if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
                     table = self._use_table(gm, cands, unfused, ph_of)
@@ -636,11 +624,7 @@ class _Compilation:
                 else:
                     table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
             if group_updates_enabled():
-                groups = group_wgrad_updates(gm, names)
-                if groups:
-                    group_note = (f"grouped launches: {len(groups)} sets of fused weights reading the same input "
-                                  "are updated by one launch each ("
-                                  + "; ".join(" + ".join(g) for g in groups[:3]) + ("; ...)" if len(groups) > 3 else ")"))
+                grouped_note = group_note(group_wgrad_updates(gm, names))
             _functionalize_fused(gm, fake_mode)
             graph.eliminate_dead_code()
             gm.recompile()
@@ -660,8 +644,8 @@ class _Compilation:
             report.notes.append(_NOTE_SEMANTICS)
         if table_note is not None:
             report.notes.append(table_note)
-        if group_note is not None:
-            report.notes.append(group_note)
+        if grouped_note is not None:
+            report.notes.append(grouped_note)
         if decisions and not fused_plans:
             report.notes.append("no weight gradient could be fused; see the reasons above")
         if not fused_plans:

@@ -41,7 +41,7 @@ from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mi
 from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, written_args
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
-from .passes.wgrad_update_group import group_updates_enabled, group_wgrad_updates
+from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
 from .passes.wgrad_update_pattern import rewrite_wgrad_updates
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -497,12 +497,8 @@ class CompiledTrainStep:
         if self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
                                                 report, len(out_info["casts"]))
-        if group_updates_enabled():
-            groups = group_wgrad_updates(gm, names)
-            if groups:
-                report.notes.append(
-                    f"grouped launches: {len(groups)} sets of fused weights reading the same input are updated by "
-                    f"one launch each ({'; '.join(' + '.join(g) for g in groups[:3])}{'; ...' if len(groups) > 3 else ''})")
+        if group_updates_enabled() and (note := group_note(group_wgrad_updates(gm, names))):
+            report.notes.append(note)
         rewritten_code = format_graph(gm)
         write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
         return gm, report, out_info

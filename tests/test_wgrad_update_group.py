@@ -265,37 +265,46 @@ def test_try_launch_group_memo_and_fallback():
 # ---- the pass: compile_train_step groups q/k/v and gate/up ----------------------------------------------------
 
 
-def _llama(device, layers=2, d=128, d_ff=256):
+def _llama(device, layers=2, d=128, d_ff=256, vocab=256):
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import train_lm
 
     torch.manual_seed(0)
-    return train_lm.Llama(d, layers, 4, d_ff, 64, vocab=256).to(device)
+    return train_lm.Llama(d, layers, 4, d_ff, 64, vocab=vocab).to(device)
 
 
-def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, autocast=None, tokens=(4, 64)):
+def _batches(steps, tokens, vocab, device):
+    """``steps`` token batches [tokens[0], tokens[1] + 1] (inputs and next-token targets), the same every run."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (tokens[0], tokens[1] + 1), generator=gen).to(device) for _ in range(steps)]
+
+
+def _lm_loss(logits, idx):
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+
+
+def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, autocast=None, tokens=(4, 64),
+                 layers=2, vocab=256, cast=False):
     import forge_compile as forge
     from forge_compile.passes import wgrad_update_group as gp
 
     monkeypatch.setenv(gp.ENV, "1" if group else "0")
-    model = _llama(device)
+    model = _llama(device, layers=layers, vocab=vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
-    @forge.compile_train_step(cuda_graphs=cuda_graphs)
+    @forge.compile_train_step(cuda_graphs=cuda_graphs, cast_weights_in_update=cast)
     def step(idx):
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             logits = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss = _lm_loss(logits, idx)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
-    gen = torch.Generator().manual_seed(1)
-    losses = [step(torch.randint(0, 256, (tokens[0], tokens[1] + 1), generator=gen).to(device)).item()
-              for _ in range(steps)]
+    losses = [step(idx).item() for idx in _batches(steps, tokens, vocab, device)]
     return model, opt, losses, step.last_report
 
 
@@ -378,7 +387,9 @@ def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypa
     try:
         for group in (True, False):
             sg.counters.clear()
-            m, o, losses, rep = _train_llama_small(group, monkeypatch)
+            # one layer, 32 tokens: the interpreter runs every fused update on CPU
+            m, o, losses, rep = _train_llama("cpu", group, monkeypatch, steps=4, cuda_graphs=True, tokens=(2, 16),
+                                             layers=1, vocab=128)
             runs.append((m, o, losses, rep, dict(sg.counters)))
     finally:
         sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
@@ -390,34 +401,6 @@ def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypa
     assert l1 == l2
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         assert torch.equal(a, b), name
-
-
-def _train_llama_small(group, monkeypatch):
-    # one layer, 32 tokens: the interpreter runs every fused update on CPU
-    import os
-    import sys
-    import forge_compile as forge
-    from forge_compile.passes import wgrad_update_group as gp
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_lm
-
-    monkeypatch.setenv(gp.ENV, "1" if group else "0")
-    torch.manual_seed(0)
-    model = train_lm.Llama(128, 1, 4, 256, 16, vocab=128)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-    @forge.compile_train_step(cuda_graphs=True)
-    def step(idx):
-        loss = torch.nn.functional.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    gen = torch.Generator().manual_seed(1)
-    losses = [step(torch.randint(0, 128, (2, 17), generator=gen)).item() for _ in range(4)]
-    return model, opt, losses, step.last_report
 
 
 # ---- the pass on the Dynamo route (backend="forge") ----------------------------------------------------------
@@ -434,13 +417,11 @@ def _train_llama_backend(group: bool, monkeypatch, steps=3, table=False, layers=
     model = _llama(device, layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     cmodel = torch.compile(model, backend="forge", options={"optimizer": opt, "scalar_table": table})
-    gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(steps):
-        idx = torch.randint(0, 256, (tokens[0], tokens[1] + 1), generator=gen).to(device)
+    for idx in _batches(steps, tokens, 256, device):
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             logits = cmodel(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss = _lm_loss(logits, idx)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -518,29 +499,11 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
 def test_pass_groups_with_the_cast_option(monkeypatch):
     # cast_weights_in_update=True: each member's update also writes its bf16 copy (the grouped op passes them on);
     # the same step bitwise, CPU members one by one
-    import forge_compile as forge
     from forge_compile.passes import wgrad_update_group as gp
 
     monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
-    runs = []
-    for group in (True, False):
-        monkeypatch.setenv(gp.ENV, "1" if group else "0")
-        model = _llama("cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-        @forge.compile_train_step(cast_weights_in_update=True)
-        def step(idx):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(idx[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        gen = torch.Generator().manual_seed(1)
-        losses = [step(torch.randint(0, 256, (4, 65), generator=gen)).item() for _ in range(3)]
-        runs.append((model, losses, step.last_report))
+    runs = [(m, losses, rep) for m, _, losses, rep in
+            (_train_llama("cpu", group, monkeypatch, autocast=torch.bfloat16, cast=True) for group in (True, False))]
     (m1, l1, rep1), (m2, l2, _) = runs
     assert any(n.startswith("grouped launches: 4 sets") for n in rep1.notes), rep1.notes
     assert any(n.startswith("cast_weights_in_update: 15 fused") for n in rep1.notes), rep1.notes

@@ -309,11 +309,8 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     if src is None:
         return why
     if tables is None:
-        first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
-        for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]) if check_scalars else (), 1):
-            scal = host_scalars(ep, split_states(rule, st)[1], hp)
-            if scal != first:
-                return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
+        if check_scalars and (why := _scalars_differ(ep, rule, states_list, hparams_list)):
+            return why
     else:
         if _row_increments(tables) is None:
             return "table rows not in one fp32 table within int32 element offsets"
@@ -331,6 +328,23 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     return None
 
 
+def _scalars_differ(ep, rule: Rule, states_list, hparams_list) -> str | None:
+    """Why the members' host scalars (kernel scalars and new scalar states) are not all member 0's, or None: one
+    launch takes one set of them."""
+    first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
+    for i, (st, hp) in enumerate(zip(states_list[1:], hparams_list[1:]), 1):
+        scal = host_scalars(ep, split_states(rule, st)[1], hp)
+        if scal != first:
+            return f"member {i}'s scalars {scal[0]} differ from member 0's {first[0]} (hyperparameters or step)"
+    return None
+
+
+def _increments(offs: list) -> list[int]:
+    """The kernel's three increments (member g's offset minus member g-1's, g = 1..3; 0 past the last member)."""
+    offs = offs + [offs[-1]] * (G_MAX - len(offs))
+    return [offs[j] - offs[j - 1] for j in (1, 2, 3)]
+
+
 def _row_increments(tables) -> list[int] | None:
     """sq1..sq3: element offsets from member g-1's table row to member g's (0 past the last member), or None."""
     offs = []
@@ -339,8 +353,7 @@ def _row_increments(tables) -> list[int] | None:
         if d % 4:
             return None
         offs.append(d // 4)
-    offs += [offs[-1]] * (G_MAX - len(offs))
-    incs = [offs[j] - offs[j - 1] for j in (1, 2, 3)]
+    incs = _increments(offs)
     return incs if all(-2 ** 31 <= v < 2 ** 31 for v in offs + incs) else None
 
 
@@ -362,8 +375,7 @@ def _member_offsets(weights, states_list, rule: Rule, k: int, tables=None, side_
             size = arr[a].element_size()       # 4 (fp32 W/states), 2 (the cast copy): 16 // size per unit
             # K % 8 == 0: start_g * K is a whole number of 16-byte units for either size
             offs.append((d // size - start[g] * k) // (16 // size))
-        offs += [offs[-1]] * (G_MAX - len(offs))
-        incs += [offs[j] - offs[j - 1] for j in (1, 2, 3)]
+        incs += _increments(offs)
         every += offs
     if side_outs is None:
         incs += [0, 0, 0]
@@ -481,12 +493,8 @@ def try_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule, t
             log.debug("forge: grouped launch refused: %s", why)
     if isinstance(hit, str):
         return False
-    if tables is None:
-        ep = wg._source_for(rule)[0]
-        first = host_scalars(ep, split_states(rule, states_list[0])[1], hparams_list[0])
-        if any(host_scalars(ep, split_states(rule, st)[1], hp) != first
-               for st, hp in zip(states_list[1:], hparams_list[1:])):
-            return False
+    if tables is None and _scalars_differ(wg._source_for(rule)[0], rule, states_list, hparams_list):
+        return False
     try:
         kernel, grid, args, opts, scalar_states, new = _bind(hit, weights, dys_t, x, states_list, hparams_list, rule,
                                                              tables, side_outs)

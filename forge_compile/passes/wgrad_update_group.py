@@ -29,12 +29,11 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from .remat_for_backward import view_root, written_args
+from .remat_for_backward import _CASTS, _VIEWS, view_root, written_args
 
 log = logging.getLogger(__name__)
-aten = torch.ops.aten
 
-__all__ = ["group_wgrad_updates", "group_updates_enabled", "GROUP_DEVICES", "ENV"]
+__all__ = ["group_wgrad_updates", "group_updates_enabled", "group_note", "GROUP_DEVICES", "ENV"]
 
 counters: Counter = Counter()
 
@@ -53,9 +52,7 @@ GROUP_DEVICES = {"cuda"}
 _TILE_ROWS = 128      # the grouped kernel's tile: every member but the last needs N % 128 == 0
 # ops through which two fused updates' X are compared: views, and the dtype casts autocast puts before each
 # linear separately (q, k and v each cast the same normed hidden state: three nodes, one value)
-_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
-          aten.reshape.default, aten.detach.default, aten.alias.default, aten.expand.default,
-          aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_X_OPS = _VIEWS | _CASTS
 
 
 def _meta(node):
@@ -66,7 +63,7 @@ def _x_key(node: fx.Node):
     """(root node, the view and cast ops applied to it): equal keys read equal values. A node remat_for_backward
     copied into the backward counts as its original (it computes the same values from the same inputs)."""
     chain = []
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _X_OPS:
         chain.append((node.target, tuple(a for a in node.args[1:]), tuple(sorted(node.kwargs.items()))))
         node = node.args[0]
     if isinstance(node, fx.Node):
@@ -145,6 +142,15 @@ def group_wgrad_updates(gm: fx.GraphModule, names: dict | None = None, max_membe
     counters["groups"] += len(made)
     counters["grouped_weights"] += sum(len(g) for g in made)
     return [[(names or {}).get(w, w.name) for w in g] for g in made]
+
+
+def group_note(groups: list):
+    """The report's line for the groups ``group_wgrad_updates`` made (None when it made none)."""
+    if not groups:
+        return None
+    shown = "; ".join(" + ".join(g) for g in groups[:3]) + ("; ..." if len(groups) > 3 else "")
+    return (f"grouped launches: {len(groups)} sets of fused weights reading the same input are updated by one "
+            f"launch each ({shown})")
 
 
 def _replace(graph: fx.Graph, grp: list, tabled: bool, pos: int, nodes: list) -> list:
