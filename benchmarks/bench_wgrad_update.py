@@ -714,8 +714,9 @@ def group_sweep(args, log):
     checked bitwise first (W and states of the stacked launch vs the G separate ones). gain = sep / stacked: what
     a grouped launch could save at most (it also pays a per-tile choice of pointers); ~1.0 says don't build it.
     grouped = the real thing (kernels/wgrad_update_group.launch_group over the G separate allocations), checked
-    bitwise against the G separate launches; gain_grp = sep / grouped. Unfused = G x (cuBLAS mm +
-    torch._fused_adamw_) for the ratios. False when a check failed."""
+    bitwise against the G separate launches; gain_grp = sep / grouped. grp_x = the grouped launch with each member
+    reading its own copy of X (o grouped with q/k/v: G X panels per k-step instead of one), gain_grpx = sep / grp_x.
+    Unfused = G x (cuBLAS mm + torch._fused_adamw_) for the ratios. False when a check failed."""
     from triton.testing import do_bench
 
     def bench(fn):
@@ -734,34 +735,40 @@ def group_sweep(args, log):
                               [s.clone() if s.dim() == 0 else s[rows_i].clone() for s in st]))
             # the grouped launch's members: their own allocations, copies of the parts before any launch
             gparts = [(wi.clone(), dyi, [s.clone() for s in sti]) for wi, dyi, sti in parts]
+            xparts = [(wi.clone(), dyi, [s.clone() for s in sti]) for wi, dyi, sti in parts]
+            xs = [x] + [x.clone() for _ in range(g - 1)]
             sep = [wg.bound_launch(wi, dyi, x, sti, hp, rule, config=cfg) for wi, dyi, sti in parts]
             stacked = wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg)
             gargs = ([p[0] for p in gparts], [p[1] for p in gparts], x, [p[2] for p in gparts], [hp] * g, rule)
             grouped = grp.bound_launch_group(*gargs)
+            grouped_x = grp.bound_launch_group([p[0] for p in xparts], [p[1] for p in xparts], xs,
+                                               [p[2] for p in xparts], [hp] * g, rule)
             stacked()
             for f in sep:
                 f()
             grouped()
+            grouped_x()
             torch.cuda.synchronize()
             ok = all(torch.equal(w[i * n:(i + 1) * n], wi) and all(
                 torch.equal(s[i * n:(i + 1) * n], si) for s, si in zip(st, sti) if s.dim())
                 for i, (wi, _, sti) in enumerate(parts))
             ok_g = all(torch.equal(wg_, wi) and all(torch.equal(a, b) for a, b in zip(sg, sti) if a.dim())
-                       for (wg_, _, sg), (wi, _, sti) in zip(gparts, parts))
+                       for (wg_, _, sg), (wi, _, sti) in zip(gparts + xparts, parts + parts))
             all_ok &= ok and ok_g
             unf = [make_unfused("adamw", rule, wi, dyi, x, sti, hp)[0] for wi, dyi, sti in parts]
             t = {"unfused": bench(lambda: [f() for f in unf]), "sep": bench(lambda: [f() for f in sep]),
-                 "stacked": bench(stacked), "grouped": bench(grouped)}
+                 "stacked": bench(stacked), "grouped": bench(grouped), "grp_x": bench(grouped_x)}
             t["floor"] = floor_ms(rule, g * n, k, m)
             t["unf/sep"] = t["unfused"] / t["sep"]
             t["unf/grp"] = t["unfused"] / t["grouped"]
             t["gain"] = t["sep"] / t["stacked"]
             t["gain_grp"] = t["sep"] / t["grouped"]
+            t["gain_grpx"] = t["sep"] / t["grp_x"]
             rows.append((g, n, k, m, t))
             log(f"adamw {g}x{n}x{k} M={m} ({cfg.epi if cfg else 'triton'}): "
                 + " | ".join(f"{a} {v:.4f}" for a, v in t.items()) + ("" if ok else " | STACKED CHECK FAILED")
                 + ("" if ok_g else " | GROUPED CHECK FAILED"))
-            del w, dy_t, dy, x, st, parts, gparts, sep, unf, grouped
+            del w, dy_t, dy, x, xs, st, parts, gparts, xparts, sep, unf, grouped, grouped_x
             torch.cuda.empty_cache()
     keys = list(rows[0][4])
     log("\n" + f"{'G x N x K':>14} {'M':>5} " + " ".join(f"{a:>9}" for a in keys))

@@ -446,7 +446,8 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
         # every mutable argument by name, the optional cast copies too (auto_functionalized looks each one up); the
         # Dynamo route never passes them (its forward is another graph: nothing there could read the copy)
         if op in group_ops:
-            kwargs = dict(weights=list(weight), dys_t=list(dy_t), x=x, states=list(states), rule=rule, cast_outs=None)
+            kwargs = dict(weights=list(weight), dys_t=list(dy_t), xs=list(x), states=list(states), rule=rule,
+                          cast_outs=None)
             kwargs["hparams" if op is group_ops[0] else "scalars"] = list(last)
             weight = list(weight)
         else:
@@ -928,7 +929,8 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
         elif n.target is af and n.args and n.args[0] is group_op:
             kw = n.kwargs
             lines.append(f"wgrad_update_group_(W=[{', '.join(roles[w] for w in kw['weights'])}], "
-                         f"dy_t=[{', '.join(describe(d) for d in kw['dys_t'])}], x={describe(kw['x'])}, "
+                         f"dy_t=[{', '.join(describe(d) for d in kw['dys_t'])}], "
+                         f"x=[{', '.join(describe(x) for x in kw['xs'])}], "
                          f"states=[{', '.join(roles[x] for x in kw['states'])}], "
                          f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']})")
         elif n.target is aten.copy_.default:

@@ -22,11 +22,14 @@ _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.
        "dampening": 0.1}
 
 
-def _members(rule, ns, k, m, device="cpu", seed=0, steps=None):
-    """Per member (weight, dy_t, states, hparams) and the shared x; each member's tensors allocated separately and
-    in a shuffled order, so member g's arrays may lie below member 0's (negative offsets)."""
+def _members(rule, ns, k, m, device="cpu", seed=0, steps=None, per_x=False):
+    """Per member (weight, dy_t, states, hparams) and the shared x (``per_x``: a list, each member's own x); each
+    member's tensors allocated separately and in a shuffled order, so member g's arrays may lie below member 0's
+    (negative offsets)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+    if per_x:
+        x = [x] + [torch.randn(m, k, generator=gen).bfloat16().to(device) for _ in ns[1:]]
     out = []
     for i, n in enumerate(ns):
         w = torch.randn(n, k, generator=gen)
@@ -88,6 +91,19 @@ def test_group_reason_scalars_must_agree():
     assert gr.group_reason(*_args(members, x), rule, check_device=False) is None
 
 
+def test_group_reason_per_member_inputs():
+    rule = RULES["adamw"]
+    members, xs = _members(rule, [128, 128, 64], 256, 64, per_x=True)
+    assert gr.group_reason(*_args(members, xs), rule, check_device=False) is None
+    ws, dys, _, sts, hps = _args(members, xs)
+    assert "3 inputs X for 2 members" in gr.group_reason(ws[:2], dys[:2], xs, sts[:2], hps[:2], rule,
+                                                         check_device=False)
+    other = [xs[0], xs[1][:32], xs[2]]
+    assert "member 1: X [32, 256]" in gr.group_reason(ws, dys, other, sts, hps, rule, check_device=False)
+    other = [xs[0], xs[1].half(), xs[2]]
+    assert "member 1: X" in gr.group_reason(ws, dys, other, sts, hps, rule, check_device=False)
+
+
 def test_group_reason_device_checks_on_cpu():
     # with the device checks, CPU tensors are refused (the members then run one by one, on the Triton kernel)
     members, x = _members(RULES["lion"], [128, 128], 256, 64)
@@ -122,17 +138,17 @@ def _sm90() -> bool:
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
 
 
-def _check_group(rule, ns, k, m, max_ctas=None, seed=0):
-    members, x = _members(rule, ns, k, m, "cuda", seed)
+def _check_group(rule, ns, k, m, max_ctas=None, seed=0, per_x=False):
+    members, x = _members(rule, ns, k, m, "cuda", seed, per_x=per_x)
     ws, dys, _, sts, hps = _args(members, x)
     assert gr.group_reason(ws, dys, x, sts, hps, rule) is None
     cfg = gr.group_config()
     alone = [(w.clone(), [s.clone() for s in st]) for w, st in zip(ws, sts)]
     refs = []
-    for (w, st), dy_t, hp in zip(alone, dys, hps):
+    for (w, st), dy_t, xi, hp in zip(alone, dys, gr.member_inputs(x, len(ws)), hps):
         w0, st0 = w.clone(), [s.clone() for s in st]
-        wg.launch(w, dy_t, x, st, hp, rule, config=cfg)
-        reference_wgrad_update(w0, dy_t, x, st0, hp, rule.name)
+        wg.launch(w, dy_t, xi, st, hp, rule, config=cfg)
+        reference_wgrad_update(w0, dy_t, xi, st0, hp, rule.name)
         refs.append(w0)
     gr.launch_group(ws, dys, x, sts, hps, rule, config=cfg, max_ctas=max_ctas)
     torch.cuda.synchronize()
@@ -162,6 +178,15 @@ def test_group_matches_separate_launches(name, ns, k, m):
 def test_group_many_tiles_per_cta(max_ctas):
     # several tiles per CTA, crossing members inside one CTA's walk (its lookahead reaches into the next member)
     _check_group(RULES["adamw"], [384, 256, 128, 200], 520, 333, max_ctas=max_ctas)
+
+
+@sm90
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("max_ctas", [None, 3])
+def test_group_members_read_their_own_inputs(name, max_ctas):
+    # o with q/k/v: each member's dY and X through its own descriptors (a tile reading another member's X moves W
+    # by a whole update); several tiles per CTA cross members inside one CTA's walk
+    _check_group(RULES[name], [256, 128, 384, 200], 520, 333, max_ctas=max_ctas, per_x=True)
 
 
 @sm90
@@ -209,14 +234,15 @@ def test_group_table_matches_separate_table_launches(name, max_ctas):
 @sm90
 @pytest.mark.parametrize("name", list(RULES))
 @pytest.mark.parametrize("table", [False, True], ids=["host", "table"])
-def test_group_cast_copies_match_separate_launches(name, table):
+@pytest.mark.parametrize("per_x", [False, True], ids=["one_x", "own_x"])
+def test_group_cast_copies_match_separate_launches(name, table, per_x):
     # the cast option: each member's bf16 copy of its new W (side_out), written by the grouped launch at the
     # member's offsets -- bitwise each member's own launch's copy, W and states too
     from forge_compile.kernels.wgrad_update_triton import rule_scalars
 
     rule = RULES[name]
     ns, k, m = [384, 256, 72], 776, 1000
-    members, x = _members(rule, ns, k, m, "cuda")
+    members, x = _members(rule, ns, k, m, "cuda", per_x=per_x)
     ws, dys, _, sts, hps = _args(members, x)
     casts = [torch.full_like(w, float("nan"), dtype=torch.bfloat16) for w in ws]
     rows = None
@@ -229,8 +255,8 @@ def test_group_cast_copies_match_separate_launches(name, table):
         sts = [split_states(rule, st)[0] for st in sts]
     cfg = gr.group_config()
     alone = [(w.clone(), [s_.clone() for s_ in st], torch.empty_like(c)) for w, st, c in zip(ws, sts, casts)]
-    for i, ((w, st, c), dy_t, hp) in enumerate(zip(alone, dys, hps)):
-        wg.launch(w, dy_t, x, st, [] if table else hp, rule, side_out=c, config=cfg,
+    for i, ((w, st, c), dy_t, xi, hp) in enumerate(zip(alone, dys, gr.member_inputs(x, len(ws)), hps)):
+        wg.launch(w, dy_t, xi, st, [] if table else hp, rule, side_out=c, config=cfg,
                   table=None if rows is None else rows[i])
     gr.launch_group(ws, dys, x, sts, [] if table else hps, rule, config=cfg, tables=rows, side_outs=casts)
     torch.cuda.synchronize()
@@ -308,7 +334,7 @@ def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, a
     return model, opt, losses, step.last_report
 
 
-def test_pass_groups_projections_that_read_the_same_input(monkeypatch):
+def test_pass_groups_projections_of_one_input_width(monkeypatch):
     # on CPU (GROUP_DEVICES widened) the grouped op runs each member's own CPU path: grouping must change nothing
     from forge_compile.kernels import wgrad_update_group as kg
     from forge_compile.passes import wgrad_update_group as gp
@@ -317,11 +343,15 @@ def test_pass_groups_projections_that_read_the_same_input(monkeypatch):
     kg.counters.clear()
     m1, o1, l1, rep = _train_llama("cpu", True, monkeypatch)
     note = next((n for n in rep.notes if n.startswith("grouped launches")), None)
-    assert note is not None and "4 sets" in note, rep.notes          # per layer: q+k+v, gate+up
-    # members in backward order (the graph computes v's dY first)
-    assert "layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + model.layers.1.attn.q_proj.weight" in note
-    assert "layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight" in note
-    assert kg.counters["member_launches"] == 3 * (2 * 3 + 2 * 2)      # 3 steps x 10 grouped weights, one by one
+    # members in backward order, up to 4 per launch, across layers: the 13 weights of input width d (lm_head, then
+    # per layer up, gate, o, v, k, q -- the graph computes v's dY first) make 3 sets and one left alone (layer 0's
+    # q); the two down projections (width d_ff) one set
+    assert note is not None and "4 sets" in note, rep.notes
+    assert ("model.lm_head.weight + model.layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight + "
+            "model.layers.1.attn.o_proj.weight;") in note
+    assert ("model.layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + "
+            "model.layers.1.attn.q_proj.weight + model.layers.0.mlp.up_proj.weight;") in note
+    assert kg.counters["member_launches"] == 3 * (3 * 4 + 2)        # 3 steps x 14 grouped weights, one by one
     assert not any("cloned" in n for n in rep.notes), rep.notes      # the op's in-place writes stayed in place
     m2, o2, l2, rep2 = _train_llama("cpu", False, monkeypatch)
     assert not any(n.startswith("grouped launches") for n in rep2.notes)
@@ -331,6 +361,22 @@ def test_pass_groups_projections_that_read_the_same_input(monkeypatch):
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         for k, v in o1.state[p1].items():
             assert torch.equal(v, o2.state[p2][k]), k
+
+
+def test_pass_same_input_policy(monkeypatch):
+    # FORGE_GROUP_SAME_INPUT=1: only the members reading one X share a launch (per layer q+k+v and gate+up)
+    from forge_compile.kernels import wgrad_update_group as kg
+    from forge_compile.passes import wgrad_update_group as gp
+
+    monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setenv(gp.SAME_INPUT_ENV, "1")
+    kg.counters.clear()
+    _, _, _, rep = _train_llama("cpu", True, monkeypatch, steps=1)
+    note = next((n for n in rep.notes if n.startswith("grouped launches")), None)
+    assert note is not None and "4 sets" in note, rep.notes
+    assert ("model.layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + "
+            "model.layers.1.attn.q_proj.weight;") in note
+    assert kg.counters["member_launches"] == 2 * 3 + 2 * 2
 
 
 def test_pass_leaves_cuda_only_default_alone_on_cpu(monkeypatch):
@@ -394,7 +440,8 @@ def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypa
     finally:
         sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
     (m1, o1, l1, rep1, c1), (m2, o2, l2, rep2, _) = runs
-    assert any(n.startswith("grouped launches: 2 sets") for n in rep1.notes), rep1.notes    # q+k+v, gate+up
+    # one layer: lm_head + up + gate + o, v + k + q (down alone)
+    assert any(n.startswith("grouped launches: 2 sets") for n in rep1.notes), rep1.notes
     assert any("replayed as one CUDA graph" in n for n in rep1.notes), rep1.notes
     assert c1.get("replays") == 2, c1
     assert not any(n.startswith("grouped launches") for n in rep2.notes)
@@ -442,7 +489,7 @@ def test_backend_pass_groups_and_changes_nothing(monkeypatch):
     notes = [n for r in reps for n in r.notes]
     assert any(n.startswith("grouped launches: 4 sets") for n in notes), notes
     assert not any("cloned" in n for n in notes), notes
-    assert kg.counters["member_launches"] == 3 * 10
+    assert kg.counters["member_launches"] == 3 * (3 * 4 + 2)    # as in test_pass_groups_projections_of_one...
     m2, o2, l2, reps2 = _train_llama_backend(False, monkeypatch)
     assert not any(n.startswith("grouped launches") for r in reps2 for n in r.notes)
     # Not bitwise: this route is not reproducible run to run on CPU even without grouping (two ungrouped runs
@@ -490,10 +537,18 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
                                         autocast=torch.bfloat16)
     torch.cuda.synchronize()
     # as in test_cuda_grouped_step_is_the_ungrouped_step: bf16 rounding elsewhere in the backward moves an update
-    # by ~1e-5 at most, a wrong member or stale W by ~lr = 1e-2
+    # by ~1e-5 at most, a wrong member or stale W by ~lr = 1e-2 in every element. The parameters torch.optim
+    # updates (embedding, norms) get their gradients from Inductor's backward, whose embedding gradient is summed
+    # with atomics (not reproducible run to run): AdamW turns a sign change of a near-zero gradient element into a
+    # whole lr step (stop 27's H100 run failed the 1e-4 bound on embed.weight). There: at most 1 % of elements
+    # beyond it.
     assert l1[0] == l2[0]
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+        far = ((a - b).abs() > 1e-4).float().mean().item()
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            assert far == 0, f"{name}: {far:.2%} of elements differ by more than 1e-4"
+        else:
+            assert far < 0.01, f"{name}: {far:.2%} of elements differ by more than 1e-4"
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):

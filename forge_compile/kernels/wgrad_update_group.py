@@ -14,8 +14,10 @@ differs). tests/test_wgrad_update_group.py checks that on the GPU.
 
 How: the kernel is v12's split kernel (one MMA warpgroup, two epilogue warpgroups, the GEMM loader) over the
 members' rows stacked, [sum N_g, K]: tile rows [start_g, start_g + N_g) belong to member g. Every member but the
-last has N_g % 128 == 0, so no tile straddles two members. The GEMM loader reads a tile's dY panel through member
-g's TMA descriptor (up to G_MAX descriptors, an if-chain on the tile's first row); X is shared. The epilogue
+last has N_g % 128 == 0, so no tile straddles two members. The GEMM loader reads a tile's dY and X panels through
+member g's TMA descriptors (up to G_MAX of each, an if-chain on the tile's first row): members may read one X
+(q/k/v) or each their own of one shape (o with q/k/v). The loader's four X descriptor addresses, computed before
+the partitions fork, spill 32 B (AdamW, sm_90): read back once per CTA by the loader, outside its loop. The epilogue
 addresses member g's W and states from member 0's pointers plus one element offset per array and member, computed
 on the host from the data pointers: ptr_0 + (ptr_g - ptr_0) / 4 - start_g * K + row * K + col is element
 (row - start_g, col) of member g's array. The offsets are passed in units of 4 elements (16 bytes), so the
@@ -64,13 +66,13 @@ def group_config() -> wg.GConfig:
 _GROUP_KERNEL = '''
 
 @gluon.jit
-def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n,
-                  num_k, s1, s2, s3, GROUP: gl.constexpr, STAGES: gl.constexpr):
-    # _gemm_loader over the stacked rows: a tile's dY panel comes from its member's descriptor, at the tile's first
-    # row minus the member's first row
+def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_desc2, x_desc3, a_bufs, b_bufs, ready,
+                  empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    # _gemm_loader over the stacked rows: a tile's dY and X panels come from its member's descriptors (dY at the
+    # tile's first row minus the member's first row; members reading the same X pass the same descriptor)
     BMT: gl.constexpr = dy_desc0.block_type.shape[0]
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc0.block_type.shape[1]
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -82,16 +84,19 @@ def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, dy_desc0.block_type.nbytes + x_desc.block_type.nbytes)
+            mbarrier.expect(bar, dy_desc0.block_type.nbytes + x_desc0.block_type.nbytes)
             if row0 < s1:
                 tma.async_copy_global_to_shared(dy_desc0, [ks * BMT, row0], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc0, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
             elif row0 < s2:
                 tma.async_copy_global_to_shared(dy_desc1, [ks * BMT, row0 - s1], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc1, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
             elif row0 < s3:
                 tma.async_copy_global_to_shared(dy_desc2, [ks * BMT, row0 - s2], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc2, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
             else:
                 tma.async_copy_global_to_shared(dy_desc3, [ks * BMT, row0 - s3], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(x_desc, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc3, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
             it += 1
 
 
@@ -179,13 +184,13 @@ def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K,
 
 
 @gluon.jit
-def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_ptr, {state_ptrs}g_ptr,
-                              {group_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
+def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_desc2, x_desc3, w_ptr,
+                              {state_ptrs}g_ptr, {group_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
                               GROUP: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr,
                               BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
                               STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc0.block_type.shape[1]
     gl.static_assert(num_warps == 4)
     gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
     K = gl.multiple_of(K, 8)
@@ -193,7 +198,7 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
-    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc0, x_desc, STAGES)
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc0, x_desc0, STAGES)
     dw = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_LAYOUT)
     # dw_bar[0] "full" (the MMA warpgroup), dw_bar[1] "empty" (both epilogue warpgroups)
     dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -201,13 +206,13 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, w_
     mbarrier.init(dw_bar.index(1), count=2)
 
     gl.warp_specialize([
-        (_split_mma, (dy_desc0, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
+        (_split_mma, (dy_desc0, x_desc0, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
         (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
                       s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
         (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
                        s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
-        (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles,
-                         num_n, num_k, s1, s2, s3, GROUP, STAGES)),
+        (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_desc2, x_desc3, a_bufs, b_bufs,
+                         ready, empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP, STAGES)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
@@ -259,6 +264,12 @@ def _kernel_for(rule: Rule, table: bool = False):
     return _KERNELS[key]
 
 
+def member_inputs(x, g: int) -> list:
+    """Each member's X: ``x`` is one tensor all G members read (q/k/v, gate/up) or a list of one per member (o with
+    q/k/v: same shape, different values)."""
+    return [x] * g if isinstance(x, torch.Tensor) else list(x)
+
+
 def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
                  check_device: bool = True, tables=None, check_scalars: bool = True, side_outs=None) -> str | None:
     """None when these G members can run as one ``launch_group``, else why not (the caller then launches them one
@@ -280,11 +291,17 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     k = weights[0].shape[1] if weights[0].dim() == 2 else None
     if k is None or k % 8:
         return f"K = {k}: a multiple of 8 (16-byte rows)"
-    for i, (w, dy_t) in enumerate(zip(weights, dys_t)):
+    xs = member_inputs(x, g)
+    if len(xs) != g:
+        return f"{len(xs)} inputs X for {g} members"
+    for i, (w, dy_t, xi) in enumerate(zip(weights, dys_t, xs)):
         if w.dim() != 2 or w.shape[1] != k:
             return f"member {i}: weight {list(w.shape)}, not [N, {k}] like member 0"
-        if dy_t.dim() != 2 or dy_t.shape[0] != w.shape[0] or dy_t.shape[1] != x.shape[0]:
-            return f"member {i}: dy_t {list(dy_t.shape)} does not match weight {list(w.shape)} and M = {x.shape[0]}"
+        if xi.shape != xs[0].shape or xi.dtype != xs[0].dtype or xi.device != xs[0].device:
+            return (f"member {i}: X {list(xi.shape)} {xi.dtype} differs from member 0's {list(xs[0].shape)} "
+                    f"{xs[0].dtype}")
+        if dy_t.dim() != 2 or dy_t.shape[0] != w.shape[0] or dy_t.shape[1] != xi.shape[0]:
+            return f"member {i}: dy_t {list(dy_t.shape)} does not match weight {list(w.shape)} and M = {xi.shape[0]}"
         if i < g - 1 and w.shape[0] % cfg.bn:
             return f"member {i}: N = {w.shape[0]} is not a multiple of {cfg.bn} (only the last member's may be)"
         if w.device != weights[0].device:
@@ -321,7 +338,7 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
                 return f"member {i}: {e}"
     if check_device:
         for i, (w, dy_t, st) in enumerate(zip(weights, dys_t, states_list)):
-            why = wg.gluon_reason(w, dy_t, x, st, rule, None if side_outs is None else side_outs[i],
+            why = wg.gluon_reason(w, dy_t, xs[i], st, rule, None if side_outs is None else side_outs[i],
                                   table=None if tables is None else tables[i])
             if why is not None:
                 return f"member {i}: {why}"
@@ -399,7 +416,7 @@ def _prepare(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: w
 def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables, side_outs=None):
     # what depends only on the tensors' addresses and shapes: the launch memo's entry
     cfg = config or group_config()
-    m, k = x.shape
+    m, k = member_inputs(x, len(weights))[0].shape
     ns = [w.shape[0] for w in weights]
     n_tot = sum(ns)
     starts = [sum(ns[:i]) for i in range(len(ns))]
@@ -421,23 +438,29 @@ def _bind(static, weights, dys_t, x, states_list, hparams_list, rule: Rule, tabl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     kernel, grid, opts, cfg, tail, sq = static
-    m, k = x.shape
-    a_l, b_l, _ = wg._smem_layouts(cfg, x.dtype)
+    xs = member_inputs(x, len(weights))
+    m, k = xs[0].shape
+    a_l, b_l, _ = wg._smem_layouts(cfg, xs[0].dtype)
     # descriptors per call, not memoized: they hold their tensors, and a memo would keep every dY alive
     descs = [TensorDescriptor(dy_t, [m, w.shape[0]], [w.shape[0], 1], [cfg.bmt, cfg.bn], a_l)
              for dy_t, w in zip(dys_t, weights)]
     descs += [descs[0]] * (G_MAX - len(descs))
-    x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
+    x_descs = []
+    for i, xi in enumerate(xs):    # members reading one X share its descriptor
+        same = next((j for j in range(i) if xs[j] is xi), None)
+        x_descs.append(x_descs[same] if same is not None else TensorDescriptor(xi, [m, k], [k, 1], [cfg.bmt, cfg.bk],
+                                                                                b_l))
+    x_descs += [x_descs[0]] * (G_MAX - len(x_descs))
     w0 = weights[0]
     g0 = w0 if side_outs is None else side_outs[0]
     if tables is not None:
         ts0 = split_states(rule, states_list[0], tables[0])[0]
-        args = (*descs, x_desc, w0, *ts0, g0, tables[0], *sq, *tail)
+        args = (*descs, *x_descs, w0, *ts0, g0, tables[0], *sq, *tail)
         return kernel, grid, args, opts, [], []
     ep = wg._source_for(rule)[0]
     per = [split_states(rule, st) for st in states_list]
     scalars, new = host_scalars(ep, per[0][1], hparams_list[0])
-    args = (*descs, x_desc, w0, *per[0][0], g0, *scalars, *tail)
+    args = (*descs, *x_descs, w0, *per[0][0], g0, *scalars, *tail)
     return kernel, grid, args, opts, [s for _, sc in per for s in sc], list(new) * len(per)
 
 
@@ -465,7 +488,8 @@ def _key(weights, dys_t, x, states_list, rule: Rule, tables, side_outs):
     def t(v):
         return (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype, v.device) if v.dim() else None
 
-    return (rule.name, wg._mode(), tables is not None, t(x), tuple(map(t, weights)), tuple(map(t, dys_t)),
+    return (rule.name, wg._mode(), tables is not None, tuple(map(t, member_inputs(x, len(weights)))),
+            tuple(map(t, weights)), tuple(map(t, dys_t)),
             tuple(tuple(map(t, st)) for st in states_list),
             None if tables is None else tuple(map(t, tables)), None if side_outs is None else tuple(map(t, side_outs)))
 
@@ -527,10 +551,15 @@ def bound_launch_group(weights, dys_t, x, states_list, hparams_list, rule: Rule,
 # no list of lists. Where the members cannot share a launch (CPU, another GPU, different scalars, a shape the
 # kernel does not take), the op runs each member's own forge::wgrad_update_ path: the same result either way.
 _LIB = torch.library.Library("forge", "FRAGMENT")
-_LIB.define("wgrad_update_group_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
+_LIB.define("wgrad_update_group_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor[] xs, Tensor(b!)[] states, "
             "Tensor[] hparams, str rule, Tensor(c!)[]? cast_outs=None) -> ()", tags=_compat.cudagraph_unsafe_tags())
-_LIB.define("wgrad_update_group_table_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor x, Tensor(b!)[] states, "
+_LIB.define("wgrad_update_group_table_(Tensor(a!)[] weights, Tensor[] dys_t, Tensor[] xs, Tensor(b!)[] states, "
             "Tensor[] scalars, str rule, Tensor(c!)[]? cast_outs=None) -> ()")
+
+
+def _inputs(xs) -> torch.Tensor | list:
+    # the ops' xs: one X every member reads, or one per member
+    return xs[0] if len(xs) == 1 else list(xs)
 
 
 def _split(flat, g: int) -> list:
@@ -538,33 +567,35 @@ def _split(flat, g: int) -> list:
     return [list(flat[i * n:(i + 1) * n]) for i in range(g)]
 
 
-def wgrad_update_group_(weights, dys_t, x, states, hparams, rule, cast_outs=None):
+def wgrad_update_group_(weights, dys_t, xs, states, hparams, rule, cast_outs=None):
     from .wgrad_update import wgrad_update
 
     r = get_rule(rule)
     g = len(weights)
+    x = _inputs(xs)
     sts, hps = _split(states, g), _split(hparams, g)
     casts = list(cast_outs) if cast_outs is not None else None
     if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, hps, r, side_outs=casts)):
         counters["member_launches"] += g
-        for i, (w, dy_t, st, hp) in enumerate(zip(weights, dys_t, sts, hps)):
-            wgrad_update(w, dy_t, x, st, hp, rule, cast_out=None if casts is None else casts[i])
+        for i, (w, dy_t, xi, st, hp) in enumerate(zip(weights, dys_t, member_inputs(x, g), sts, hps)):
+            wgrad_update(w, dy_t, xi, st, hp, rule, cast_out=None if casts is None else casts[i])
     else:
         counters["grouped_launches"] += 1
     torch.autograd.graph.increment_version([*weights, *states, *(casts or [])])
 
 
-def wgrad_update_group_table_(weights, dys_t, x, states, scalars, rule, cast_outs=None):
+def wgrad_update_group_table_(weights, dys_t, xs, states, scalars, rule, cast_outs=None):
     from .wgrad_update import wgrad_update_table
 
     g = len(weights)
+    x = _inputs(xs)
     sts = _split(states, g)
     casts = list(cast_outs) if cast_outs is not None else None
     if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, [], get_rule(rule),
                                                     tables=list(scalars), side_outs=casts)):
         counters["member_launches"] += g
-        for i, (w, dy_t, st, row) in enumerate(zip(weights, dys_t, sts, scalars)):
-            wgrad_update_table(w, dy_t, x, st, row, rule, None if casts is None else casts[i])
+        for i, (w, dy_t, xi, st, row) in enumerate(zip(weights, dys_t, member_inputs(x, g), sts, scalars)):
+            wgrad_update_table(w, dy_t, xi, st, row, rule, None if casts is None else casts[i])
     else:
         counters["grouped_launches"] += 1
     torch.autograd.graph.increment_version([*weights, *states, *(casts or [])])
@@ -575,10 +606,10 @@ _LIB.impl("wgrad_update_group_table_", wgrad_update_group_table_, "CompositeExpl
 
 
 @torch.library.register_fake("forge::wgrad_update_group_", lib=_LIB)
-def _(weights, dys_t, x, states, hparams, rule, cast_outs=None):
+def _(weights, dys_t, xs, states, hparams, rule, cast_outs=None):
     return None
 
 
 @torch.library.register_fake("forge::wgrad_update_group_table_", lib=_LIB)
-def _(weights, dys_t, x, states, scalars, rule, cast_outs=None):
+def _(weights, dys_t, xs, states, scalars, rule, cast_outs=None):
     return None

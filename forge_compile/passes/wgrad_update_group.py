@@ -1,17 +1,20 @@
-"""Fused updates that read the same X become one launch: ``forge::wgrad_update_(_table)_`` x G ->
+"""Fused updates of weights with the same input width become one launch: ``forge::wgrad_update_(_table)_`` x G ->
 ``forge::wgrad_update_group(_table)_`` (kernels/wgrad_update_group.py).
 
-Why: a decoder layer's q/k/v projections (and gate/up) read the same normed hidden state X in the backward; each
-is a small weight whose persistent launch is mostly pipeline fill and drain. One launch over their stacked rows
-was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md "Several weights in one launch").
+Why: a decoder layer's projections are small weights whose persistent launches are mostly pipeline fill and
+drain. One launch over their stacked rows was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md
+"Several weights in one launch"). q/k/v (and gate/up) read the same normed hidden state X in the backward; o reads
+the attention output, of the same shape: the kernel reads each member's X through its own descriptor, so o joins
+q/k/v (or the next gate/up) too.
 
 When members are grouped (all must hold, else they stay single):
 - the same rule, no tied-embedding rows (the grouped kernel does not add them), a cast copy (cast_out, the
   cast_weights_in_update option) for all members or none;
-- the same X: the same node, or the same views / transposes / dtype casts of one node (or of its copy made by
-  remat_for_backward);
+- X of one shape and dtype (the same K and token count M). Members reading the same value -- the same node, or the
+  same views / transposes / dtype casts of one node (or of its copy made by remat_for_backward) -- pass one X;
 - weights fp32 2-D on a device of GROUP_DEVICES (CUDA: elsewhere the grouped op would only run the members'
-  launches in turn); at most one member whose row count is not a multiple of 128, placed last;
+  launches in turn), of at most _MAX_MEMBER_ELEMS elements; at most one member whose row count is not a multiple
+  of 128, placed last;
 - nothing between a member's own position and the group's (the last member's) reads or writes its weight or
   states, or writes its dY or X: the member's update moves later, and the step must not see the difference.
 Up to G_MAX members per group, in graph order. The op itself checks at run time what the graph cannot know
@@ -43,6 +46,11 @@ counters: Counter = Counter()
 ENV = "FORGE_GROUP_UPDATES"
 
 
+# FORGE_GROUP_SAME_INPUT=1: only members reading the same X share a launch (q/k/v, gate/up: stop 26's pass), to
+# measure the two policies side by side
+SAME_INPUT_ENV = "FORGE_GROUP_SAME_INPUT"
+
+
 def group_updates_enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
@@ -50,6 +58,10 @@ def group_updates_enabled() -> bool:
 # devices whose fused updates are grouped (tests add "cpu": the op then runs the members' CPU paths, exactly)
 GROUP_DEVICES = {"cuda"}
 _TILE_ROWS = 128      # the grouped kernel's tile: every member but the last needs N % 128 == 0
+# Members up to 2048 [128, 128] tiles (a 4096x8192 weight): fill and drain matter where a launch has few tiles per
+# SM; a larger weight (lm_head, 14336-wide MLP) gains little from company, and its update moving later would keep
+# its dY alive longer (lm_head's [tokens, vocab] logits gradient)
+_MAX_MEMBER_ELEMS = 2048 * 128 * 128
 # ops through which two fused updates' X are compared: views, and the dtype casts autocast puts before each
 # linear separately (q, k and v each cast the same normed hidden state: three nodes, one value)
 _X_OPS = _VIEWS | _CASTS
@@ -79,7 +91,7 @@ def _member(n: fx.Node):
     w = _meta(n.args[0])
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype != torch.float32:
         return None
-    if w.device.type not in GROUP_DEVICES:
+    if w.device.type not in GROUP_DEVICES or w.numel() > _MAX_MEMBER_ELEMS:
         return None
     return n.args
 
@@ -111,11 +123,14 @@ def group_wgrad_updates(gm: fx.GraphModule, names: dict | None = None, max_membe
         if n.op != "call_function" or n.target not in (plain, table) or _member(n) is None:
             continue
         w, dy_t, x, _, _, rule = n.args
-        dv = _meta(dy_t)
+        dv, xv = _meta(dy_t), _meta(x)
         cast = _meta(n.kwargs.get("cast_out"))
-        # members write a cast copy all or none (one kernel), of one dtype
-        key = (n.target, rule, _x_key(x), None if dv is None else dv.dtype, _meta(w).shape[1],
-               None if cast is None else cast.dtype)
+        # members write a cast copy all or none (one kernel), of one dtype; each reads its own X, all of one shape
+        # (the kernel takes a descriptor per member)
+        key = (n.target, rule, None if dv is None else dv.dtype, _meta(w).shape[1],
+               None if cast is None else cast.dtype, None if xv is None else (tuple(xv.shape), xv.dtype))
+        if xv is None or os.environ.get(SAME_INPUT_ENV, "0") == "1":
+            key += (_x_key(x),)
         buckets.setdefault(key, []).append(n)
     made = []
     cap = min(G_MAX, max_members or G_MAX)
@@ -149,14 +164,17 @@ def group_note(groups: list):
     if not groups:
         return None
     shown = "; ".join(" + ".join(g) for g in groups[:3]) + ("; ..." if len(groups) > 3 else "")
-    return (f"grouped launches: {len(groups)} sets of fused weights reading the same input are updated by one "
+    return (f"grouped launches: {len(groups)} sets of fused weights with inputs of one width are updated by one "
             f"launch each ({shown})")
 
 
 def _replace(graph: fx.Graph, grp: list, tabled: bool, pos: int, nodes: list) -> list:
     anchor = nodes[pos]
     weights = [m.args[0] for m in grp]
-    args = (weights, [m.args[1] for m in grp], grp[0].args[2], [s for m in grp for s in m.args[3]],
+    # one X when every member reads the same value (one TMA descriptor), else each member's own
+    xs = [m.args[2] for m in grp]
+    xs = xs[:1] if len({_x_key(x) for x in xs}) == 1 else xs
+    args = (weights, [m.args[1] for m in grp], xs, [s for m in grp for s in m.args[3]],
             [m.args[4] for m in grp] if tabled else [h for m in grp for h in m.args[4]], grp[0].args[5])
     op = torch.ops.forge.wgrad_update_group_table_ if tabled else torch.ops.forge.wgrad_update_group_
     casts = [m.kwargs.get("cast_out") for m in grp]
