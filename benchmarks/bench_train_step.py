@@ -196,7 +196,9 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
     io = dict(inductor_options or {})
     # *_group: the same route with the fused updates that read one input grouped into one launch (this run's
     # process only: every run is its own subprocess)
-    os.environ["FORGE_GROUP_UPDATES"] = "1" if route.endswith(GROUP_SUFFIX) else "0"
+    # (FORGE_BENCH_GROUP=width: the _group routes take the width policy instead, passes/wgrad_update_group.py)
+    grouped = route.endswith(GROUP_SUFFIX)
+    os.environ["FORGE_GROUP_UPDATES"] = os.environ.get("FORGE_BENCH_GROUP", "1") if grouped else "0"
     route = route.removesuffix(GROUP_SUFFIX)
     if route in STEP_ROUTES:
         import forge_compile as forge

@@ -316,7 +316,7 @@ def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, a
     import forge_compile as forge
     from forge_compile.passes import wgrad_update_group as gp
 
-    monkeypatch.setenv(gp.ENV, "1" if group else "0")
+    monkeypatch.setenv(gp.ENV, {True: "1", False: "0"}.get(group, group))
     model = _llama(device, layers=layers, vocab=vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -334,24 +334,24 @@ def _train_llama(device, group: bool, monkeypatch, steps=3, cuda_graphs=False, a
     return model, opt, losses, step.last_report
 
 
-def test_pass_groups_projections_of_one_input_width(monkeypatch):
+@pytest.mark.parametrize("policy", ["1", "width"])
+def test_pass_groups_projections(monkeypatch, policy):
     # on CPU (GROUP_DEVICES widened) the grouped op runs each member's own CPU path: grouping must change nothing
     from forge_compile.kernels import wgrad_update_group as kg
     from forge_compile.passes import wgrad_update_group as gp
 
     monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
     kg.counters.clear()
-    m1, o1, l1, rep = _train_llama("cpu", True, monkeypatch)
+    m1, o1, l1, rep = _train_llama("cpu", policy, monkeypatch)
     note = next((n for n in rep.notes if n.startswith("grouped launches")), None)
-    # members in backward order, up to 4 per launch, across layers: the 13 weights of input width d (lm_head, then
-    # per layer up, gate, o, v, k, q -- the graph computes v's dY first) make 3 sets and one left alone (layer 0's
-    # q); the two down projections (width d_ff) one set
-    assert note is not None and "4 sets" in note, rep.notes
-    assert ("model.lm_head.weight + model.layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight + "
-            "model.layers.1.attn.o_proj.weight;") in note
-    assert ("model.layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + "
-            "model.layers.1.attn.q_proj.weight + model.layers.0.mlp.up_proj.weight;") in note
-    assert kg.counters["member_launches"] == 3 * (3 * 4 + 2)        # 3 steps x 14 grouped weights, one by one
+    if policy == "1":   # per layer q+k+v and gate+up, members in backward order (the graph computes v's dY first)
+        assert note is not None and "4 sets" in note, rep.notes
+        assert ("model.layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + "
+                "model.layers.1.attn.q_proj.weight;") in note
+        assert "layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight" in note
+        assert kg.counters["member_launches"] == 3 * (2 * 3 + 2 * 2)      # 3 steps x 10 grouped weights
+    else:
+        _check_width_groups(note, rep)
     assert not any("cloned" in n for n in rep.notes), rep.notes      # the op's in-place writes stayed in place
     m2, o2, l2, rep2 = _train_llama("cpu", False, monkeypatch)
     assert not any(n.startswith("grouped launches") for n in rep2.notes)
@@ -363,20 +363,18 @@ def test_pass_groups_projections_of_one_input_width(monkeypatch):
             assert torch.equal(v, o2.state[p2][k]), k
 
 
-def test_pass_same_input_policy(monkeypatch):
-    # FORGE_GROUP_SAME_INPUT=1: only the members reading one X share a launch (per layer q+k+v and gate+up)
+def _check_width_groups(note, rep):
     from forge_compile.kernels import wgrad_update_group as kg
-    from forge_compile.passes import wgrad_update_group as gp
 
-    monkeypatch.setattr(gp, "GROUP_DEVICES", {"cpu", "cuda"})
-    monkeypatch.setenv(gp.SAME_INPUT_ENV, "1")
-    kg.counters.clear()
-    _, _, _, rep = _train_llama("cpu", True, monkeypatch, steps=1)
-    note = next((n for n in rep.notes if n.startswith("grouped launches")), None)
+    # members in backward order, up to 4 per launch, across layers: the 13 weights of input width d (lm_head, then
+    # per layer up, gate, o, v, k, q -- the graph computes v's dY first) make 3 sets and one left alone (layer 0's
+    # q); the two down projections (width d_ff) one set
     assert note is not None and "4 sets" in note, rep.notes
+    assert ("model.lm_head.weight + model.layers.1.mlp.up_proj.weight + model.layers.1.mlp.gate_proj.weight + "
+            "model.layers.1.attn.o_proj.weight;") in note
     assert ("model.layers.1.attn.v_proj.weight + model.layers.1.attn.k_proj.weight + "
-            "model.layers.1.attn.q_proj.weight;") in note
-    assert kg.counters["member_launches"] == 2 * 3 + 2 * 2
+            "model.layers.1.attn.q_proj.weight + model.layers.0.mlp.up_proj.weight;") in note
+    assert kg.counters["member_launches"] == 3 * (3 * 4 + 2)        # 3 steps x 14 grouped weights, one by one
 
 
 def test_pass_leaves_cuda_only_default_alone_on_cpu(monkeypatch):
@@ -440,7 +438,7 @@ def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypa
     finally:
         sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
     (m1, o1, l1, rep1, c1), (m2, o2, l2, rep2, _) = runs
-    # one layer: lm_head + up + gate + o, v + k + q (down alone)
+    # q+k+v, gate+up
     assert any(n.startswith("grouped launches: 2 sets") for n in rep1.notes), rep1.notes
     assert any("replayed as one CUDA graph" in n for n in rep1.notes), rep1.notes
     assert c1.get("replays") == 2, c1
@@ -489,7 +487,7 @@ def test_backend_pass_groups_and_changes_nothing(monkeypatch):
     notes = [n for r in reps for n in r.notes]
     assert any(n.startswith("grouped launches: 4 sets") for n in notes), notes
     assert not any("cloned" in n for n in notes), notes
-    assert kg.counters["member_launches"] == 3 * (3 * 4 + 2)    # as in test_pass_groups_projections_of_one...
+    assert kg.counters["member_launches"] == 3 * (2 * 3 + 2 * 2)    # per layer q+k+v, gate+up
     m2, o2, l2, reps2 = _train_llama_backend(False, monkeypatch)
     assert not any(n.startswith("grouped launches") for r in reps2 for n in r.notes)
     # Not bitwise: this route is not reproducible run to run on CPU even without grouping (two ungrouped runs
@@ -540,15 +538,14 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
     # by ~1e-5 at most, a wrong member or stale W by ~lr = 1e-2 in every element. The parameters torch.optim
     # updates (embedding, norms) get their gradients from Inductor's backward, whose embedding gradient is summed
     # with atomics (not reproducible run to run): AdamW turns a sign change of a near-zero gradient element into a
-    # whole lr step (stop 27's H100 run failed the 1e-4 bound on embed.weight). There: at most 1 % of elements
-    # beyond it.
+    # whole lr step, and the next steps' forward differs everywhere: on the H100 (stop 27) up to 1.6 % of layer 0's
+    # q_proj elements ended > 1e-4 apart after 3 steps. So: at most 5 % of any parameter's elements beyond 1e-4 (a
+    # member updated from the wrong rows or a stale W differs in nearly every element; the grouped kernel itself is
+    # checked bitwise above).
     assert l1[0] == l2[0]
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         far = ((a - b).abs() > 1e-4).float().mean().item()
-        if name.endswith("proj.weight") or name == "lm_head.weight":
-            assert far == 0, f"{name}: {far:.2%} of elements differ by more than 1e-4"
-        else:
-            assert far < 0.01, f"{name}: {far:.2%} of elements differ by more than 1e-4"
+        assert far < 0.05, f"{name}: {far:.2%} of elements differ by more than 1e-4"
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):

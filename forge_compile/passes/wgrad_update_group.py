@@ -2,16 +2,18 @@
 ``forge::wgrad_update_group(_table)_`` (kernels/wgrad_update_group.py).
 
 Why: a decoder layer's projections are small weights whose persistent launches are mostly pipeline fill and
-drain. One launch over their stacked rows was 1.06-1.19x faster than their launches in turn (benchmarks/RESULTS.md
-"Several weights in one launch"). q/k/v (and gate/up) read the same normed hidden state X in the backward; o reads
-the attention output, of the same shape: the kernel reads each member's X through its own descriptor, so o joins
-q/k/v (or the next gate/up) too.
+drain. One launch over their stacked rows was 1.02-1.19x faster than their launches in turn, in isolation
+(benchmarks/RESULTS.md "Several weights in one launch"). q/k/v (and gate/up) read the same normed hidden state X in
+the backward; o reads the attention output, of the same shape: the kernel reads each member's X through its own
+descriptor, so with FORGE_GROUP_UPDATES=width o joins q/k/v (or the next gate/up) too. OFF by default: in a
+training step it did not pay (see ENV below).
 
 When members are grouped (all must hold, else they stay single):
 - the same rule, no tied-embedding rows (the grouped kernel does not add them), a cast copy (cast_out, the
   cast_weights_in_update option) for all members or none;
-- X of one shape and dtype (the same K and token count M). Members reading the same value -- the same node, or the
-  same views / transposes / dtype casts of one node (or of its copy made by remat_for_backward) -- pass one X;
+- the same X: the same node, or the same views / transposes / dtype casts of one node (or of its copy made by
+  remat_for_backward); with FORGE_GROUP_UPDATES=width, any X of one shape and dtype (the same K and token count
+  M), members reading the same value passing it once;
 - weights fp32 2-D on a device of GROUP_DEVICES (CUDA: elsewhere the grouped op would only run the members'
   launches in turn), of at most _MAX_MEMBER_ELEMS elements; at most one member whose row count is not a multiple
   of 128, placed last;
@@ -46,13 +48,15 @@ counters: Counter = Counter()
 ENV = "FORGE_GROUP_UPDATES"
 
 
-# FORGE_GROUP_SAME_INPUT=1: only members reading the same X share a launch (q/k/v, gate/up: stop 26's pass), to
-# measure the two policies side by side
-SAME_INPUT_ENV = "FORGE_GROUP_SAME_INPUT"
+# FORGE_GROUP_UPDATES=1: members reading the same X (q/k/v, gate/up); =width: any members whose X has one shape
+# (o with q/k/v, across layers). Both off by default: neither gained end to end (H100, stop 27: the same-X groups
+# left the step's GPU time unchanged, the width groups added 0.57 ms of 16.4 -- the grouped kernels took 0.4 ms
+# MORE than the single launches they replaced, though 1.02-1.12x faster than them in isolation, cold L2)
+WIDTH = "width"
 
 
 def group_updates_enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    return os.environ.get(ENV, "0") in ("1", WIDTH)
 
 
 # devices whose fused updates are grouped (tests add "cpu": the op then runs the members' CPU paths, exactly)
@@ -129,7 +133,7 @@ def group_wgrad_updates(gm: fx.GraphModule, names: dict | None = None, max_membe
         # (the kernel takes a descriptor per member)
         key = (n.target, rule, None if dv is None else dv.dtype, _meta(w).shape[1],
                None if cast is None else cast.dtype, None if xv is None else (tuple(xv.shape), xv.dtype))
-        if xv is None or os.environ.get(SAME_INPUT_ENV, "0") == "1":
+        if xv is None or os.environ.get(ENV) != WIDTH:
             key += (_x_key(x),)
         buckets.setdefault(key, []).append(n)
     made = []
@@ -164,8 +168,7 @@ def group_note(groups: list):
     if not groups:
         return None
     shown = "; ".join(" + ".join(g) for g in groups[:3]) + ("; ..." if len(groups) > 3 else "")
-    return (f"grouped launches: {len(groups)} sets of fused weights with inputs of one width are updated by one "
-            f"launch each ({shown})")
+    return (f"grouped launches: {len(groups)} sets of fused weights are updated by one launch each ({shown})")
 
 
 def _replace(graph: fx.Graph, grp: list, tabled: bool, pos: int, nodes: list) -> list:
