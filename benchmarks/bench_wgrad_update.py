@@ -716,6 +716,8 @@ def group_sweep(args, log):
     grouped = the real thing (kernels/wgrad_update_group.launch_group over the G separate allocations), checked
     bitwise against the G separate launches; gain_grp = sep / grouped. grp_x = the grouped launch with each member
     reading its own copy of X (o grouped with q/k/v: G X panels per k-step instead of one), gain_grpx = sep / grp_x.
+    sep_tab / grp_tab: the same with the rule's scalars read from a device table (each member's row), the variant a
+    CUDA-graphed step runs; gain_tab = sep_tab / grp_tab.
     Unfused = G x (cuBLAS mm + torch._fused_adamw_) for the ratios. False when a check failed."""
     from triton.testing import do_bench
 
@@ -736,6 +738,14 @@ def group_sweep(args, log):
             # the grouped launch's members: their own allocations, copies of the parts before any launch
             gparts = [(wi.clone(), dyi, [s.clone() for s in sti]) for wi, dyi, sti in parts]
             xparts = [(wi.clone(), dyi, [s.clone() for s in sti]) for wi, dyi, sti in parts]
+            # the table variant: tensor states only, one table row per member (the same values: one param group)
+            tparts = [(wi.clone(), dyi, [s.clone() for s in sti if s.dim()]) for wi, dyi, sti in parts]
+            sparts = [(wi.clone(), dyi, [s.clone() for s in sti if s.dim()]) for wi, dyi, sti in parts]
+            table = torch.zeros(2 * g, 16, device=w.device)
+            rows_t = [table[2 * i] for i in range(g)]
+            vals = wt.rule_scalars(rule, [s for s in st if not s.dim()], hp)[0]
+            for r in rows_t:
+                r[:len(vals)] = torch.tensor(vals, dtype=torch.float32)
             xs = [x] + [x.clone() for _ in range(g - 1)]
             sep = [wg.bound_launch(wi, dyi, x, sti, hp, rule, config=cfg) for wi, dyi, sti in parts]
             stacked = wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg)
@@ -743,32 +753,43 @@ def group_sweep(args, log):
             grouped = grp.bound_launch_group(*gargs)
             grouped_x = grp.bound_launch_group([p[0] for p in xparts], [p[1] for p in xparts], xs,
                                                [p[2] for p in xparts], [hp] * g, rule)
+            sep_tab = [wg.bound_launch(wi, dyi, x, sti, [], rule, config=cfg, table=r)
+                       for (wi, dyi, sti), r in zip(sparts, rows_t)]
+            grp_tab = grp.bound_launch_group([p[0] for p in tparts], [p[1] for p in tparts], x,
+                                             [p[2] for p in tparts], [], rule, tables=rows_t)
             stacked()
             for f in sep:
                 f()
             grouped()
             grouped_x()
+            grp_tab()
+            for f in sep_tab:
+                f()
             torch.cuda.synchronize()
             ok = all(torch.equal(w[i * n:(i + 1) * n], wi) and all(
                 torch.equal(s[i * n:(i + 1) * n], si) for s, si in zip(st, sti) if s.dim())
                 for i, (wi, _, sti) in enumerate(parts))
-            ok_g = all(torch.equal(wg_, wi) and all(torch.equal(a, b) for a, b in zip(sg, sti) if a.dim())
-                       for (wg_, _, sg), (wi, _, sti) in zip(gparts + xparts, parts + parts))
+            ok_g = all(torch.equal(wg_, wi) and all(torch.equal(a, b) for a, b in zip(
+                [a for a in sg if a.dim()], [b for b in sti if b.dim()]))
+                for (wg_, _, sg), (wi, _, sti) in zip(gparts + xparts + tparts + sparts, parts * 4))
             all_ok &= ok and ok_g
             unf = [make_unfused("adamw", rule, wi, dyi, x, sti, hp)[0] for wi, dyi, sti in parts]
             t = {"unfused": bench(lambda: [f() for f in unf]), "sep": bench(lambda: [f() for f in sep]),
-                 "stacked": bench(stacked), "grouped": bench(grouped), "grp_x": bench(grouped_x)}
+                 "stacked": bench(stacked), "grouped": bench(grouped), "grp_x": bench(grouped_x),
+                 "sep_tab": bench(lambda: [f() for f in sep_tab]), "grp_tab": bench(grp_tab)}
             t["floor"] = floor_ms(rule, g * n, k, m)
             t["unf/sep"] = t["unfused"] / t["sep"]
             t["unf/grp"] = t["unfused"] / t["grouped"]
             t["gain"] = t["sep"] / t["stacked"]
             t["gain_grp"] = t["sep"] / t["grouped"]
             t["gain_grpx"] = t["sep"] / t["grp_x"]
+            t["gain_tab"] = t["sep_tab"] / t["grp_tab"]
             rows.append((g, n, k, m, t))
             log(f"adamw {g}x{n}x{k} M={m} ({cfg.epi if cfg else 'triton'}): "
                 + " | ".join(f"{a} {v:.4f}" for a, v in t.items()) + ("" if ok else " | STACKED CHECK FAILED")
                 + ("" if ok_g else " | GROUPED CHECK FAILED"))
-            del w, dy_t, dy, x, xs, st, parts, gparts, xparts, sep, unf, grouped, grouped_x
+            del w, dy_t, dy, x, xs, st, parts, gparts, xparts, tparts, sparts, sep, unf, grouped, grouped_x, sep_tab
+            del grp_tab, table, rows_t
             torch.cuda.empty_cache()
     keys = list(rows[0][4])
     log("\n" + f"{'G x N x K':>14} {'M':>5} " + " ".join(f"{a:>9}" for a in keys))

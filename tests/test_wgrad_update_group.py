@@ -6,6 +6,8 @@ bit-exact against eager ``rule.fn`` on the dW it stores), and within rounding of
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -292,7 +294,6 @@ def test_try_launch_group_memo_and_fallback():
 
 
 def _llama(device, layers=2, d=128, d_ff=256, vocab=256):
-    import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import train_lm
@@ -531,21 +532,29 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
     assert any(n.startswith("grouped launches: 4 sets") for r in reps for n in r.notes)
     if _sm90():
         assert kg.counters["grouped_launches"] > 0 and not kg.counters["member_launches"], dict(kg.counters)
-    m2, _, l2, _ = _train_llama_backend(False, monkeypatch, table=table, tokens=(16, 64), device="cuda",
-                                        autocast=torch.bfloat16)
-    torch.cuda.synchronize()
-    # as in test_cuda_grouped_step_is_the_ungrouped_step: bf16 rounding elsewhere in the backward moves an update
-    # by ~1e-5 at most, a wrong member or stale W by ~lr = 1e-2 in every element. The parameters torch.optim
-    # updates (embedding, norms) get their gradients from Inductor's backward, whose embedding gradient is summed
-    # with atomics (not reproducible run to run): AdamW turns a sign change of a near-zero gradient element into a
-    # whole lr step, and the next steps' forward differs everywhere: on the H100 (stop 27) up to 1.6 % of layer 0's
-    # q_proj elements ended > 1e-4 apart after 3 steps. So: at most 5 % of any parameter's elements beyond 1e-4 (a
-    # member updated from the wrong rows or a stale W differs in nearly every element; the grouped kernel itself is
-    # checked bitwise above).
+    runs = []
+    for _ in range(2):
+        m2, _, l2, _ = _train_llama_backend(False, monkeypatch, table=table, tokens=(16, 64), device="cuda",
+                                            autocast=torch.bfloat16)
+        torch.cuda.synchronize()
+        runs.append((m2, l2))
+    (m2, l2), (m3, _) = runs
+    # Judged against the route's own spread, two ungrouped runs: it is not reproducible run to run on CUDA (stop 27,
+    # H100: grouped vs ungrouped had 1-14 % of embed.weight's elements > 1e-4 apart after 3 AdamW steps -- its
+    # gradient comes from Inductor's backward, summed with atomics, and AdamW turns a sign change of a near-zero
+    # gradient into a whole lr step; the next steps' forward then differs everywhere). A member updated from the
+    # wrong rows or a stale W differs in nearly every element (the grouped kernel is checked bitwise above).
     assert l1[0] == l2[0]
-    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+    rows = []
+    for (name, a), b, c in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
         far = ((a - b).abs() > 1e-4).float().mean().item()
-        assert far < 0.05, f"{name}: {far:.2%} of elements differ by more than 1e-4"
+        spread = ((b - c).abs() > 1e-4).float().mean().item()
+        rows.append((name, far, spread))
+    table_txt = "; ".join(f"{n} {f:.2%} (spread {sp:.2%})" for n, f, sp in rows)
+    if os.environ.get("FORGE_RESULTS"):
+        with open(os.path.join(os.environ["FORGE_RESULTS"], f"backend_grouped_spread_{table}.txt"), "w") as f:
+            f.write(table_txt + "\n")
+    assert all(f <= 2 * sp + 0.02 for _, f, sp in rows), table_txt
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):

@@ -162,8 +162,8 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
                           LD_EV)
     r = 0
     for t in range(pid, num_tiles, nprog):
-        mbarrier.wait(dw_bar.index(0), r & 1)
-{group_scalar_loads}        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
+{group_scalar_loads}        mbarrier.wait(dw_bar.index(0), r & 1)
+        base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
         for c in range(CNT):
             ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
                                 {gdelta_params}nprog, num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM,
@@ -226,6 +226,9 @@ def render_group_source(ep, table: bool = False) -> str:
     fields = wg.render_fields(ep)
     n = ep.n_kernel_scalars
     if table:
+        # the tile's scalars are loaded before the wait for its dW, their latency under the wait (loaded after it,
+        # it stood before every tile's first update: the table variant lost the grouped launch's whole gain at
+        # M <= 2048, H100 stop 27; loaded a whole tile ahead, AdamW spilled 152 B)
         scal = dict(group_scalar_params="scal_ptr, sq1, sq2, sq3, ", group_scalar_loads=(
             " " * 8 + "sro = _delta(base[2], sq1, sq2, sq3)\n"
             + "".join(f"        c{i} = gl.load(scal_ptr + sro + {i})\n" for i in range(n))))
