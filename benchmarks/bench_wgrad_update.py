@@ -24,6 +24,8 @@ the split kernel with its next tile's W/states prefetched into L2 (GConfig.l2pf)
 (concurrent_sweep): the fused kernel on a side stream beside a dX GEMM vs the two in sequence
 (set_float32_matmul_precision("high")): the fused dot follows torch's setting as cuBLAS does. "group" (group_sweep): G
 weights in G launches vs the same rows as one stacked weight in one launch (the most a grouped launch could gain).
+"pdl" (pdl_sweep): a backward-like chain (dX GEMM, then the fused update, per layer) with the fused launches plain or
+as programmatic dependent launches (GConfig.pdl), launched and CUDA-graphed.
 
 Every case with bf16/fp16 activations also times the Gluon kernel (sm_90, wgrad_update_gluon; "gluon" column,
 its ratios to unfused and to the Triton default config), checked first like the Triton configs.
@@ -798,6 +800,88 @@ def group_sweep(args, log):
     return all_ok
 
 
+# (N, K) of one decoder layer's weights in backward order (the e2e model: down, up, gate, o, v, k, q) and Ms
+PDL_LAYER = [(2048, 5632), (5632, 2048), (5632, 2048), (2048, 2048), (2048, 2048), (2048, 2048), (2048, 2048)]
+PDL_MS = (1024, 2048, 4096)
+
+
+def pdl_sweep(args, log):
+    """Does launching the fused kernel as a programmatic dependent (GConfig.pdl) hide its launch gap and part of its
+    pipeline fill behind the kernel before it? One layer's backward as a chain: per weight (PDL_LAYER) the dX GEMM
+    dY @ W_bf16 (cuBLAS, as autograd runs it right before), then the fused AdamW launch (the split kernel, the pick
+    at these M; hoist as picked). plain = the fused launches as now, pdl1 / pdl2 = the same configs with GConfig.pdl
+    1 (every partition waits for the kernel before: launch and prologue hidden) / 2 (only the GEMM loader waits: the
+    epilogue's first W/state loads overlap the kernel before); each launched in a loop and replayed from a CUDA graph
+    (what step_graphs runs). Checked first, in a chain whose kernel before each update WRITES that update's X
+    (NaN-filled, then a GEMM into it): W and states of the pdl runs equal the plain run's bitwise and hold no NaN (a
+    missing or misplaced wait would read X early). gain1/2 = plain / pdl1/2, graphed likewise. False when a check
+    failed."""
+    import dataclasses
+
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    all_ok, rows = True, []
+    for m in PDL_MS:
+        cfg = wg.pick_gconfig(m, 3, 2)
+        if cfg is None or cfg.epi != "split":
+            log(f"M={m}: the pick is not the split kernel ({cfg}), skipped")
+            continue
+        layers = []
+        for i, (n, k) in enumerate(PDL_LAYER):
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.bfloat16, n, k, m, seed=m + i)
+            layers.append((rule, w, dy_t, x, st, hp, w.to(torch.bfloat16), torch.empty(m, k, device="cuda",
+                                                                                       dtype=torch.bfloat16)))
+        gen = torch.Generator(device="cuda").manual_seed(m)
+        makers = [(torch.randn(m, 512, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05,
+                   torch.randn(512, L[3].shape[1], device="cuda", generator=gen, dtype=torch.bfloat16))
+                  for L in layers]
+        chains = {}
+        for name, c in (("plain", cfg), ("pdl1", dataclasses.replace(cfg, pdl=1)),
+                        ("pdl2", dataclasses.replace(cfg, pdl=2))):
+            ws = [(L[1].clone(), [s.clone() for s in L[4]]) for L in layers]
+            fused = [wg.bound_launch(wi, L[2], L[3], sti, L[5], L[0], config=c) for L, (wi, sti) in zip(layers, ws)]
+            for L, (a, b), f in zip(layers, makers, fused):   # the check: X written by the kernel right before
+                L[3].fill_(float("nan"))
+                torch.mm(a, b, out=L[3])
+                f()
+
+            def chain(fused=fused):
+                for L, f in zip(layers, fused):
+                    torch.mm(L[2].t(), L[6], out=L[7])      # dX = dY @ W_bf16, the kernel before the update
+                    f()
+            chain()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            chains[name] = (chain, g, ws)
+        ok = all(torch.equal(a[0], b[0]) and not b[0].isnan().any() and all(torch.equal(x, y)
+                 for x, y in zip(a[1], b[1])) for mode in ("pdl1", "pdl2")
+                 for a, b in zip(chains["plain"][2], chains[mode][2]))
+        all_ok &= ok
+        t = {}
+        for name, (chain, g, _) in chains.items():
+            t[name] = bench(chain)
+            t[name + "_graph"] = bench(g.replay)
+        for mode in ("1", "2"):
+            t["gain" + mode] = t["plain"] / t["pdl" + mode]
+            t["gain" + mode + "_graph"] = t["plain_graph"] / t["pdl" + mode + "_graph"]
+        rows.append((m, t))
+        log(f"layer chain M={m} ({len(PDL_LAYER)} weights): " + " | ".join(f"{a} {v:.4f}" for a, v in t.items())
+            + ("" if ok else " | PDL CHECK FAILED"))
+        del layers, chains
+        torch.cuda.empty_cache()
+    if rows:
+        keys = list(rows[0][1])
+        log("\n" + f"{'M':>5} " + " ".join(f"{a:>11}" for a in keys))
+        for m, t in rows:
+            log(f"{m:>5} " + " ".join(f"{t[a]:>11.4f}" for a in keys))
+    return all_ok
+
+
 # (rule, N, K, Ms): AdamW on 4096x4096 and the e2e shapes; SGD-momentum where its pick for the copy is the smem
 # kernel instead of the TMA ring (M <= 1024, pick_for) and where it is the split kernel (2048)
 CAST_CASES = ([("adamw", n, k, (1024, 2048, 4096)) for n, k in [(4096, 4096)] + E2E_SHAPES]
@@ -1076,7 +1160,7 @@ def main():
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
                                                                  "math", "tf32", "e2e", "cast", "l2pf",
-                                                                 "splittune", "concurrent", "group"])
+                                                                 "splittune", "concurrent", "group", "pdl"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -1099,8 +1183,8 @@ def main():
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
     if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast", "l2pf",
-                      "splittune", "concurrent", "group"):
-        ok = {"group": group_sweep, "l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
+                      "splittune", "concurrent", "group", "pdl"):
+        ok = {"pdl": pdl_sweep, "group": group_sweep, "l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
               "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")

@@ -140,10 +140,16 @@ def _tile_coords(t, num_n, num_k, GROUP: gl.constexpr):
 
 @gluon.jit
 def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k,
-                 GROUP: gl.constexpr, STAGES: gl.constexpr):
+                 GROUP: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = 0):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
+    if PDL > 0:
+        # launched as a programmatic dependent of the kernel before it (GConfig.pdl): dY and X may be its output,
+        # so the loader waits for it to complete (with PDL=2 the epilogue warpgroups' first W/state loads go ahead
+        # meanwhile)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -1022,9 +1028,12 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
-               PF: gl.constexpr, PF_NEXT: gl.constexpr):
+               PF: gl.constexpr, PF_NEXT: gl.constexpr, PDL: gl.constexpr = 0):
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
+    if PDL == 1:   # W/states may be the kernel before's output too (an Inductor copy into them): wait for it
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     gl.static_assert(AHEAD <= CNT)
     L: gl.constexpr = ROWS_L
     dw_chunks = dw._reinterpret(gl.float32, [NDW * BN // R, R, BK], dw.type.layout)
@@ -1071,9 +1080,9 @@ def _split_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_t
                 BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                 R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                 ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
-                PF: gl.constexpr, PF_NEXT: gl.constexpr):
+                PF: gl.constexpr, PF_NEXT: gl.constexpr, PDL: gl.constexpr = 0):
     _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 1, BN, BK,
-               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)
+               GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT, PDL)
 
 
 @gluon.jit
@@ -1083,7 +1092,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
                               HOIST: gl.constexpr, PF: gl.constexpr, PF_NEXT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              num_warps: gl.constexpr, PDL: gl.constexpr = 0):
     BN: gl.constexpr = dy_desc.block_type.shape[1]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -1105,11 +1114,12 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
                       NDW)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)),
+                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT, PDL)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT)),
+                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT,
+                       PDL)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
-                        STAGES)),
+                        STAGES, PDL)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
@@ -1412,6 +1422,11 @@ class GConfig:
     hoist: bool = False    # epi="smem"/"split": chunk addresses from per-tile row/column bases computed once per
     #                        tile (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not
     #                        measured)
+    pdl: int = 0           # epi="split": launched as a programmatic dependent (PDL) of the kernel before it, its
+    #                        CTAs starting as that kernel's CTAs exit: 1 = every partition waits (griddepcontrol.wait)
+    #                        for it before touching memory (hides the launch and prologue); 2 = only the GEMM loader
+    #                        waits, the epilogue loads W/states early (valid only where the kernel before never
+    #                        writes them). Also FORGE_PDL=1/2. NOT GPU-run yet (NOTES_kernel.md "Stop 27")
 
 
 # Rings' share of the 227 KB of smem per SM (compiler-added smem, the barriers, was < 1 KB in every sm_90 compile):
@@ -1597,7 +1612,7 @@ SPLIT_STAGES = 5
 
 def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt: int = 64, evict: str = "",
                  eregs: int = 152, stream: bool = True, dw_tiles: int = 1, hoist: bool = False,
-                 l2pf: int = 0, l2pf_first: bool = False) -> GConfig:
+                 l2pf: int = 0, l2pf_first: bool = False, pdl: int = 0) -> GConfig:
     """The v12 kernel (GConfig.epi="split"): one MMA warpgroup, two epilogue warpgroups streaming half a tile each
     with the smem kernel's [rows, 128] chunks and ``ahead`` chunks of lookahead (smem_ahead caps it), ``stages``
     GEMM stages of ``bmt`` tokens; for benchmarks and tests (``config=``). Registers: triton pads the loader's
@@ -1606,7 +1621,7 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
     (65,536 - 2 x 128 x eregs - 128 x 24) / 128, rounded down to 8 (184 at eregs 152)."""
     cfg = GConfig(epi="split", stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=128, ahead=ahead, cregs=eregs,
                   maxnreg=128, evict=evict, stream=stream, dw_tiles=dw_tiles, hoist=hoist, l2pf=l2pf,
-                  l2pf_first=l2pf_first)
+                  l2pf_first=l2pf_first, pdl=pdl)
     _check_gconfig(cfg)
     return cfg
 
@@ -1741,6 +1756,20 @@ def _device_ok(dev: torch.device) -> bool:
     if cap is None:
         cap = _CAP[idx] = torch.cuda.get_device_capability(idx)
     return cap == (9, 0)
+
+
+PDL_ENV = "FORGE_PDL"
+
+
+def use_pdl(cfg: GConfig) -> int:
+    """The programmatic-dependent-launch mode of a split-kernel launch with ``cfg`` (GConfig.pdl, else FORGE_PDL=1
+    or 2; 0 = a plain launch): opt-in, it has not run on a GPU yet."""
+    if cfg.epi != "split":
+        return 0
+    if cfg.pdl:
+        return cfg.pdl
+    env = os.environ.get(PDL_ENV, "0").strip()
+    return int(env) if env in ("1", "2") else 0
 
 
 def _mode() -> str:
@@ -1918,6 +1947,9 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
             opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first)
+            # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output
+            if (pdl := use_pdl(cfg)) and extra is None:
+                opts.update(PDL=pdl, launch_pdl=True)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)

@@ -67,12 +67,16 @@ _GROUP_KERNEL = '''
 
 @gluon.jit
 def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_desc2, x_desc3, a_bufs, b_bufs, ready,
-                  empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP: gl.constexpr, STAGES: gl.constexpr):
+                  empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                  PDL: gl.constexpr = 0):
     # _gemm_loader over the stacked rows: a tile's dY and X panels come from its member's descriptors (dY at the
     # tile's first row minus the member's first row; members reading the same X pass the same descriptor)
     BMT: gl.constexpr = dy_desc0.block_type.shape[0]
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
     BK: gl.constexpr = x_desc0.block_type.shape[1]
+    if PDL > 0:   # as _gemm_loader: wait for the kernel before (it may have written dY / X)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -149,9 +153,12 @@ def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scala
 def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
                {gdelta_params}H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
-               ST_CM: gl.constexpr, STORE: gl.constexpr):
+               ST_CM: gl.constexpr, STORE: gl.constexpr, PDL: gl.constexpr = 0):
     # _split_epi (one dW tile, hoisted tile bases) over the stacked rows
     CNT: gl.constexpr = BN // 2 // R
+    if PDL == 1:   # as _split_epi
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     gl.static_assert(AHEAD <= CNT)
     L: gl.constexpr = ROWS_L
     dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
@@ -178,9 +185,9 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
 def _group_epi1(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2,
                 s3, {gdelta_params}BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, R: gl.constexpr,
                 AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
-                STORE: gl.constexpr):
+                STORE: gl.constexpr, PDL: gl.constexpr = 0):
     _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1, s2, s3,
-               {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)
+               {gdelta_params}1, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE, PDL)
 
 
 @gluon.jit
@@ -188,7 +195,8 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x
                               {state_ptrs}g_ptr, {group_scalar_params}M, N, K, s1, s2, s3, {gdelta_params}
                               GROUP: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, AHEAD: gl.constexpr,
                               BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr, ST_CM: gl.constexpr,
-                              STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                              PDL: gl.constexpr = 0):
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
     BK: gl.constexpr = x_desc0.block_type.shape[1]
     gl.static_assert(num_warps == 4)
@@ -208,11 +216,11 @@ def wgrad_update_group_kernel(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x
     gl.warp_specialize([
         (_split_mma, (dy_desc0, x_desc0, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
         (_group_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
-                      s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
+                      s2, s3, {gdelta_params}0, BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE, PDL)),
         (_group_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, num_tiles, num_n, num_k, s1,
-                       s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE)),
+                       s2, s3, {gdelta_params}BN, BK, GROUP, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STORE, PDL)),
         (_group_loader, (dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_desc2, x_desc3, a_bufs, b_bufs,
-                         ready, empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP, STAGES)),
+                         ready, empty, M, num_tiles, num_n, num_k, s1, s2, s3, GROUP, STAGES, PDL)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
@@ -430,6 +438,8 @@ def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables
                 BIG=-(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31, LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                 STORE=0 if side_outs is None else 2, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
                 enable_fp_fusion=False)
+    if pdl := wg.use_pdl(cfg):
+        opts.update(PDL=pdl, launch_pdl=True)
     tail = (m, n_tot, k, *(starts[1:] + [_NO_START] * (G_MAX - len(ns))),
             *_member_offsets(weights, states_list, rule, k, tables, side_outs))
     grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
