@@ -34,6 +34,27 @@ def test_use_pdl_selection(monkeypatch):
         assert wg.use_pdl(split) == mode and wg.use_pdl(wg.smem_config()) == 0, env
 
 
+@pytest.mark.parametrize("mode", ["0", "2"])
+def test_split_launch_gives_every_kernel_parameter(monkeypatch, mode):
+    # launch_memo builds its fast entry only when the launch's opts name every kernel parameter past the positional
+    # ones: a constexpr with a default left out (PDL) would silently send every launch down the slow path
+    if not wg.gluon_available():
+        pytest.skip("needs triton.experimental.gluon")
+    monkeypatch.setenv(wg.PDL_ENV, mode)
+    rule = R.adamw_rule()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=gen)
+    st = [torch.tensor(4.0) if rule.is_scalar_state(i) else torch.rand(256, 256, generator=gen)
+          for i in range(len(rule.states))]
+    hp = [torch.tensor(_HP.get(h, 0.01), dtype=torch.float64) for h in rule.hparams]
+    dy_t = torch.randn(1024, 256, generator=gen).bfloat16().t()
+    x = torch.randn(1024, 256, generator=gen).bfloat16()
+    kernel, _, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, config=wg.split_config(hoist=True),
+                                              max_ctas=4)
+    assert [n for n in kernel.arg_names[len(args):] if n not in opts] == []
+    assert opts["PDL"] == int(mode) and opts.get("launch_pdl", False) == (mode != "0")
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and wg.gluon_available()
 

@@ -1947,9 +1947,12 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
             opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first)
-            # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output
-            if (pdl := use_pdl(cfg)) and extra is None:
-                opts.update(PDL=pdl, launch_pdl=True)
+            # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output.
+            # PDL always in opts: launch_memo builds its entry only when every kernel parameter is given
+            pdl = use_pdl(cfg) if extra is None else 0
+            opts.update(PDL=pdl)
+            if pdl:
+                opts.update(launch_pdl=True)
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)

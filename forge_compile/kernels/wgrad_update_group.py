@@ -438,8 +438,9 @@ def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables
                 BIG=-(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31, LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                 STORE=0 if side_outs is None else 2, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
                 enable_fp_fusion=False)
-    if pdl := wg.use_pdl(cfg):
-        opts.update(PDL=pdl, launch_pdl=True)
+    opts.update(PDL=(pdl := wg.use_pdl(cfg)))
+    if pdl:
+        opts.update(launch_pdl=True)
     tail = (m, n_tot, k, *(starts[1:] + [_NO_START] * (G_MAX - len(ns))),
             *_member_offsets(weights, states_list, rule, k, tables, side_outs))
     grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
