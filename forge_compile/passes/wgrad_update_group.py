@@ -1,4 +1,4 @@
-"""Fused updates of weights with the same input width become one launch: ``forge::wgrad_update_(_table)_`` x G ->
+"""Several fused updates become one launch (opt-in): ``forge::wgrad_update_(_table)_`` x G ->
 ``forge::wgrad_update_group(_table)_`` (kernels/wgrad_update_group.py).
 
 Why: a decoder layer's projections are small weights whose persistent launches are mostly pipeline fill and
@@ -42,16 +42,12 @@ __all__ = ["group_wgrad_updates", "group_updates_enabled", "group_note", "GROUP_
 
 counters: Counter = Counter()
 
-# Opt-in (FORGE_GROUP_UPDATES=1) until the pass has run on a GPU: the grouped kernel is bit-identical to the
-# members' own launches there (tests/test_wgrad_update_group.py, H100), but the rewritten CUDA step and the
-# scalar-table kernel have only run on CPU / compiled for sm_90 (stop 26 ran out of device time).
-ENV = "FORGE_GROUP_UPDATES"
-
-
 # FORGE_GROUP_UPDATES=1: members reading the same X (q/k/v, gate/up); =width: any members whose X has one shape
 # (o with q/k/v, across layers). Both off by default: neither gained end to end (H100, stop 27: the same-X groups
 # left the step's GPU time unchanged, the width groups added 0.57 ms of 16.4 -- the grouped kernels took 0.4 ms
-# MORE than the single launches they replaced, though 1.02-1.12x faster than them in isolation, cold L2)
+# MORE than the single launches they replaced, though 1.02-1.14x faster than them in isolation: the graphed step
+# runs the scalar-table variant, which lost that gain; fixed since, not re-measured)
+ENV = "FORGE_GROUP_UPDATES"
 WIDTH = "width"
 
 
