@@ -26,6 +26,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
                    graphs for forward and backward; opt.step() eager): step_graphs' like-for-like reference
   backend_graphs   (only with --routes) backend with Inductor's CUDA graphs (options triton.cudagraphs; forge's
                    fused updates then read a device scalar table)
+  step_graphs_pdl, step_graphs_cast_pdl, backend_graphs_pdl  (only with --routes) those routes with FORGE_PDL=2 (or
+                   FORGE_BENCH_PDL): the split kernels launched as programmatic dependents of the kernel before
+                   them (experimental); every other route runs with FORGE_PDL=0
   step_graphs_group, step_graphs_cast_group, backend_graphs_group  (only with --routes) those routes with
                    FORGE_GROUP_UPDATES=1: the fused updates that read the same input (q/k/v, gate/up) share one
                    launch (passes/wgrad_update_group.py); every other route runs with FORGE_GROUP_UPDATES=0
@@ -80,16 +83,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
-          "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group", "backend", "backend_graphs",
-          "backend_graphs_group")   # table order
+          "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
+          "step_graphs_cast_pdl", "backend", "backend_graphs", "backend_graphs_group",
+          "backend_graphs_pdl")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",
-               "step_graphs_cast_group")
-FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_recompute", "step_graphs_cast",   # replayed CUDA graphs
-                "step_graphs_cast_group", "baseline_graphs", "backend_graphs", "backend_graphs_group")
+STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",
+               "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl")
+FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
+GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",   # replayed CUDA graphs
+                "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl", "baseline_graphs",
+                "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
+PDL_SUFFIX = "_pdl"       # the route with FORGE_PDL (FORGE_BENCH_PDL, default 2); the others run with 0
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -200,6 +206,10 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
     grouped = route.endswith(GROUP_SUFFIX)
     os.environ["FORGE_GROUP_UPDATES"] = os.environ.get("FORGE_BENCH_GROUP", "1") if grouped else "0"
     route = route.removesuffix(GROUP_SUFFIX)
+    # *_pdl: the split kernels launched as programmatic dependents (kernels/wgrad_update_gluon.use_pdl)
+    pdl = route.endswith(PDL_SUFFIX)
+    os.environ["FORGE_PDL"] = os.environ.get("FORGE_BENCH_PDL", "2") if pdl else "0"
+    route = route.removesuffix(PDL_SUFFIX)
     if route in STEP_ROUTES:
         import forge_compile as forge
 
@@ -255,7 +265,7 @@ def fusion_rows(route, step):
     """forge's report rows as dicts ([] for the baseline)."""
     if route in STEP_ROUTES:
         reports = [step.last_report] if step.last_report is not None else []
-    elif route in ("backend", "backend_graphs", "backend_graphs_group"):
+    elif route in ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl"):
         from forge_compile import backend
         reports = backend.last_reports()
     else:
