@@ -53,6 +53,7 @@ def test_split_launch_gives_every_kernel_parameter(monkeypatch, mode):
                                               max_ctas=4)
     assert [n for n in kernel.arg_names[len(args):] if n not in opts] == []
     assert opts["PDL"] == int(mode) and opts.get("launch_pdl", False) == (mode != "0")
+    assert wg.counters["pdl_prepared"] >= (mode != "0")
 
 
 def _sm90() -> bool:
@@ -192,8 +193,10 @@ def test_pdl_train_step_is_the_plain_step(monkeypatch, cuda_graphs, mode):
     # the same kernels, only the launch mode differs. Mode 2 lets the epilogue read W/states before the kernel
     # before has finished: this is where an Inductor copy into them right before a fused launch would show
     m0, o0, l0 = _train(0, cuda_graphs, monkeypatch)
+    wg.counters.clear()
     m1, o1, l1 = _train(mode, cuda_graphs, monkeypatch)
     torch.cuda.synchronize()
+    assert wg.counters["pdl_prepared"] >= 3, dict(wg.counters)    # the three linears' updates went as PDL
     assert l0 == l1
     for (name, a), b in zip(m0.named_parameters(), m1.parameters()):
         assert torch.equal(a, b), name

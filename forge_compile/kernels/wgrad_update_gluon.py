@@ -63,6 +63,7 @@ import logging
 import os
 import re
 import threading
+from collections import Counter
 
 import torch
 
@@ -71,6 +72,8 @@ from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, l
 from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, side_mode, split_states
 
 log = logging.getLogger(__name__)
+# launches prepared as programmatic dependents ("pdl_prepared"; a remembered launch is prepared once)
+counters: Counter = Counter()
 
 __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", "render_gluon_source",
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
@@ -1953,6 +1956,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
             opts.update(PDL=pdl)
             if pdl:
                 opts.update(launch_pdl=True)
+                counters["pdl_prepared"] += 1
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)
