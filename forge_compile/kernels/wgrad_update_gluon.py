@@ -142,6 +142,14 @@ def _tile_coords(t, num_n, num_k, GROUP: gl.constexpr):
 
 
 @gluon.jit
+def _gdc_wait():
+    # programmatic dependent launch (GConfig.pdl): wait until the kernel before this one has completed and its
+    # writes are visible (PTX griddepcontrol.wait; a no-op in a plain launch)
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k,
                  GROUP: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = 0):
     BMT: gl.constexpr = dy_desc.block_type.shape[0]
@@ -151,8 +159,7 @@ def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, nu
         # launched as a programmatic dependent of the kernel before it (GConfig.pdl): dY and X may be its output,
         # so the loader waits for it to complete (with PDL=2 the epilogue warpgroups' first W/state loads go ahead
         # meanwhile)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        _gdc_wait()
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -1035,8 +1042,7 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
     # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
     CNT: gl.constexpr = BN // 2 // R
     if PDL == 1:   # W/states may be the kernel before's output too (an Inductor copy into them): wait for it
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        _gdc_wait()
     gl.static_assert(AHEAD <= CNT)
     L: gl.constexpr = ROWS_L
     dw_chunks = dw._reinterpret(gl.float32, [NDW * BN // R, R, BK], dw.type.layout)
@@ -1775,6 +1781,16 @@ def use_pdl(cfg: GConfig) -> int:
     return int(env) if env in ("1", "2") else 0
 
 
+def pdl_opts(cfg: GConfig, allowed: bool = True) -> dict:
+    """A split-kernel launch's PDL options: the kernel's PDL constexpr always (launch_memo builds its fast entry
+    only when every kernel parameter is given), and launch_pdl when it is on."""
+    pdl = use_pdl(cfg) if allowed else 0
+    if not pdl:
+        return dict(PDL=0)
+    counters["pdl_prepared"] += 1
+    return dict(PDL=pdl, launch_pdl=True)
+
+
 def _mode() -> str:
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     return mode if mode in ("auto", "gluon", "triton") else "auto"
@@ -1950,13 +1966,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
             opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first)
-            # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output.
-            # PDL always in opts: launch_memo builds its entry only when every kernel parameter is given
-            pdl = use_pdl(cfg) if extra is None else 0
-            opts.update(PDL=pdl)
-            if pdl:
-                opts.update(launch_pdl=True)
-                counters["pdl_prepared"] += 1
+            # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output
+            opts.update(pdl_opts(cfg, allowed=extra is None))
         return kernel, grid, args, opts, scalar_states, new_scalar_states
     if cfg.epi == "vec":
         kernel = _kernel_for(rule, "vec", tabled)

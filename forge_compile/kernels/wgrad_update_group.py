@@ -75,8 +75,7 @@ def _group_loader(dy_desc0, dy_desc1, dy_desc2, dy_desc3, x_desc0, x_desc1, x_de
     BN: gl.constexpr = dy_desc0.block_type.shape[1]
     BK: gl.constexpr = x_desc0.block_type.shape[1]
     if PDL > 0:   # as _gemm_loader: wait for the kernel before (it may have written dY / X)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        _gdc_wait()
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -157,8 +156,7 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
     # _split_epi (one dW tile, hoisted tile bases) over the stacked rows
     CNT: gl.constexpr = BN // 2 // R
     if PDL == 1:   # as _split_epi
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        _gdc_wait()
     gl.static_assert(AHEAD <= CNT)
     L: gl.constexpr = ROWS_L
     dw_chunks = dw._reinterpret(gl.float32, [BN // R, R, BK], dw.type.layout)
@@ -438,9 +436,7 @@ def _static(weights, dys_t, x, states_list, rule: Rule, config, max_ctas, tables
                 BIG=-(-n_tot // cfg.bn) * cfg.bn * k >= 2 ** 31, LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
                 STORE=0 if side_outs is None else 2, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg,
                 enable_fp_fusion=False)
-    opts.update(PDL=(pdl := wg.use_pdl(cfg)))
-    if pdl:
-        opts.update(launch_pdl=True)
+    opts.update(wg.pdl_opts(cfg))
     tail = (m, n_tot, k, *(starts[1:] + [_NO_START] * (G_MAX - len(ns))),
             *_member_offsets(weights, states_list, rule, k, tables, side_outs))
     grid = (max(1, min(max_ctas or wg._num_sms(weights[0].device), tiles)),)
