@@ -96,6 +96,17 @@ GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_pdl", "step_gra
                 "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
 PDL_SUFFIX = "_pdl"       # the route with FORGE_PDL (FORGE_BENCH_PDL, default 2); the others run with 0
+# route suffix -> (the forge switch it turns on in that run's process, the bench variable overriding its value,
+# the default value); routes without the suffix run with the switch at "0"
+ROUTE_SWITCHES = {GROUP_SUFFIX: ("FORGE_GROUP_UPDATES", "FORGE_BENCH_GROUP", "1"),
+                  PDL_SUFFIX: ("FORGE_PDL", "FORGE_BENCH_PDL", "2")}
+
+
+def base_route(route: str) -> str:
+    """The route without its switch suffix (step_graphs_pdl -> step_graphs)."""
+    for suffix in ROUTE_SWITCHES:
+        route = route.removesuffix(suffix)
+    return route
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.
@@ -200,16 +211,12 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
 def make_step(route, wl, opt, autocast, inductor_options=None):
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route."""
     io = dict(inductor_options or {})
-    # *_group: the same route with the fused updates that read one input grouped into one launch (this run's
-    # process only: every run is its own subprocess)
-    # (FORGE_BENCH_GROUP=width: the _group routes take the width policy instead, passes/wgrad_update_group.py)
-    grouped = route.endswith(GROUP_SUFFIX)
-    os.environ["FORGE_GROUP_UPDATES"] = os.environ.get("FORGE_BENCH_GROUP", "1") if grouped else "0"
-    route = route.removesuffix(GROUP_SUFFIX)
-    # *_pdl: the split kernels launched as programmatic dependents (kernels/wgrad_update_gluon.use_pdl)
-    pdl = route.endswith(PDL_SUFFIX)
-    os.environ["FORGE_PDL"] = os.environ.get("FORGE_BENCH_PDL", "2") if pdl else "0"
-    route = route.removesuffix(PDL_SUFFIX)
+    # *_group: the fused updates that read one input grouped into one launch (FORGE_BENCH_GROUP=width: the width
+    # policy, passes/wgrad_update_group.py); *_pdl: the split kernels launched as programmatic dependents
+    # (kernels/wgrad_update_gluon.use_pdl). This run's process only: every run is its own subprocess
+    for suffix, (switch, override, default) in ROUTE_SWITCHES.items():
+        os.environ[switch] = os.environ.get(override, default) if route.endswith(suffix) else "0"
+    route = base_route(route)
     if route in STEP_ROUTES:
         import forge_compile as forge
 
@@ -265,7 +272,7 @@ def fusion_rows(route, step):
     """forge's report rows as dicts ([] for the baseline)."""
     if route in STEP_ROUTES:
         reports = [step.last_report] if step.last_report is not None else []
-    elif route in ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl"):
+    elif base_route(route) in ("backend", "backend_graphs"):
         from forge_compile import backend
         reports = backend.last_reports()
     else:
