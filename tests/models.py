@@ -186,3 +186,14 @@ def buffer_reuse_at_compile(monkeypatch, steps=1, **kw):
 def halve_grad(p):
     """A post-accumulate-grad hook that changes the gradient (the gradient-hook tests of both routes)."""
     p.grad.mul_(0.5)
+
+
+def assert_same_training(m1, m2, o1=None, o2=None):
+    """Two trainings of the same model ended bitwise equal: every parameter (named in the message) and, given both
+    optimizers, every state."""
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), name
+    if o1 is not None:
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            for k, v in o1.state[p1].items():
+                assert torch.equal(v, o2.state[p2][k]), k

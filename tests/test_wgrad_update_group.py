@@ -18,6 +18,7 @@ from forge_compile.kernels import wgrad_update_group as gr  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update  # noqa: E402
 from forge_compile.kernels.wgrad_update_triton import split_states  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
+from models import assert_same_training  # noqa: E402
 
 RULES = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
 _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.9,
@@ -202,23 +203,28 @@ def test_group_refuses_before_touching_anything():
     assert all(torch.equal(w, b) for w, b in zip(ws, before))
 
 
+def _write_rows(rule, rows, sts, hps):
+    """Each member's scalar-table row: rule_scalars' values, what its host-scalar launch would pass."""
+    from forge_compile.kernels.wgrad_update_triton import rule_scalars
+
+    for row, st, hp in zip(rows, sts, hps):
+        values = rule_scalars(rule, split_states(rule, st)[1], hp)[0]
+        row[:len(values)] = torch.tensor(values, dtype=torch.float32)
+
+
 @sm90
 @pytest.mark.parametrize("name", list(RULES))
 @pytest.mark.parametrize("max_ctas", [None, 3])
 def test_group_table_matches_separate_table_launches(name, max_ctas):
     # the scalar-table variant: each member reads its own row (rows far apart in one table, member 1 at a lower row
     # and another step count than member 0), reloaded per tile -- vs each member's own table launch
-    from forge_compile.kernels.wgrad_update_triton import rule_scalars
-
     rule = RULES[name]
     ns, k, m = [256, 384, 200], 520, 333
     members, x = _members(rule, ns, k, m, "cuda", steps=[4, 9, 6])
     ws, dys, _, sts, hps = _args(members, x)
     table = torch.zeros(8, 16, device="cuda")
     rows = [table[5], table[1], table[7]]
-    for row, st, hp in zip(rows, sts, hps):
-        values = rule_scalars(rule, split_states(rule, st)[1], hp)[0]
-        row[:len(values)] = torch.tensor(values, dtype=torch.float32)
+    _write_rows(rule, rows, sts, hps)
     tsts = [split_states(rule, st)[0] for st in sts]
     cfg = gr.group_config()
     alone = [(w.clone(), [s.clone() for s in ts]) for w, ts in zip(ws, tsts)]
@@ -240,8 +246,6 @@ def test_group_table_matches_separate_table_launches(name, max_ctas):
 def test_group_cast_copies_match_separate_launches(name, table, per_x):
     # the cast option: each member's bf16 copy of its new W (side_out), written by the grouped launch at the
     # member's offsets -- bitwise each member's own launch's copy, W and states too
-    from forge_compile.kernels.wgrad_update_triton import rule_scalars
-
     rule = RULES[name]
     ns, k, m = [384, 256, 72], 776, 1000
     members, x = _members(rule, ns, k, m, "cuda", per_x=per_x)
@@ -251,9 +255,7 @@ def test_group_cast_copies_match_separate_launches(name, table, per_x):
     if table:
         tab = torch.zeros(6, 16, device="cuda")
         rows = [tab[4], tab[0], tab[2]]
-        for row, st, hp in zip(rows, sts, hps):
-            values = rule_scalars(rule, split_states(rule, st)[1], hp)[0]
-            row[:len(values)] = torch.tensor(values, dtype=torch.float32)
+        _write_rows(rule, rows, sts, hps)
         sts = [split_states(rule, st)[0] for st in sts]
     cfg = gr.group_config()
     alone = [(w.clone(), [s_.clone() for s_ in st], torch.empty_like(c)) for w, st, c in zip(ws, sts, casts)]
@@ -357,11 +359,7 @@ def test_pass_groups_projections(monkeypatch, policy):
     m2, o2, l2, rep2 = _train_llama("cpu", False, monkeypatch)
     assert not any(n.startswith("grouped launches") for n in rep2.notes)
     assert l1 == l2
-    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        assert torch.equal(a, b), name
-    for p1, p2 in zip(m1.parameters(), m2.parameters()):
-        for k, v in o1.state[p1].items():
-            assert torch.equal(v, o2.state[p2][k]), k
+    assert_same_training(m1, m2, o1, o2)
 
 
 def _check_width_groups(note, rep):
@@ -445,8 +443,7 @@ def test_interpreter_grouped_table_step_is_the_ungrouped_one(interpret, monkeypa
     assert c1.get("replays") == 2, c1
     assert not any(n.startswith("grouped launches") for n in rep2.notes)
     assert l1 == l2
-    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        assert torch.equal(a, b), name
+    assert_same_training(m1, m2)
 
 
 # ---- the pass on the Dynamo route (backend="forge") ----------------------------------------------------------
@@ -569,5 +566,4 @@ def test_pass_groups_with_the_cast_option(monkeypatch):
     assert any(n.startswith("grouped launches: 4 sets") for n in rep1.notes), rep1.notes
     assert any(n.startswith("cast_weights_in_update: 15 fused") for n in rep1.notes), rep1.notes
     assert l1 == l2
-    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
-        assert torch.equal(a, b), name
+    assert_same_training(m1, m2)

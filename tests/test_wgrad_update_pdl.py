@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_group as gr  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
+from models import assert_same_training  # noqa: E402
 
 _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.9,
        "dampening": 0.1}
@@ -198,8 +199,4 @@ def test_pdl_train_step_is_the_plain_step(monkeypatch, cuda_graphs, mode):
     torch.cuda.synchronize()
     assert wg.counters["pdl_prepared"] >= 3, dict(wg.counters)    # the three linears' updates went as PDL
     assert l0 == l1
-    for (name, a), b in zip(m0.named_parameters(), m1.parameters()):
-        assert torch.equal(a, b), name
-    for p0, p1 in zip(m0.parameters(), m1.parameters()):
-        for k, v in o0.state[p0].items():
-            assert torch.equal(v, o1.state[p1][k]), k
+    assert_same_training(m0, m1, o0, o1)
