@@ -275,8 +275,9 @@ def _kernel_for(rule: Rule, table: bool = False):
 
 def member_inputs(x, g: int) -> list:
     """Each member's X: ``x`` is one tensor all G members read (q/k/v, gate/up) or a list of one per member (o with
-    q/k/v: same shape, different values)."""
-    return [x] * g if isinstance(x, torch.Tensor) else list(x)
+    q/k/v: same shape, different values); a list of one (the ops' ``xs``) is read by all."""
+    xs = [x] if isinstance(x, torch.Tensor) else list(x)
+    return xs * g if len(xs) == 1 else xs
 
 
 def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, config: wg.GConfig | None = None,
@@ -567,11 +568,6 @@ _LIB.define("wgrad_update_group_table_(Tensor(a!)[] weights, Tensor[] dys_t, Ten
             "Tensor[] scalars, str rule, Tensor(c!)[]? cast_outs=None) -> ()")
 
 
-def _inputs(xs) -> torch.Tensor | list:
-    # the ops' xs: one X every member reads, or one per member
-    return xs[0] if len(xs) == 1 else list(xs)
-
-
 def _split(flat, g: int) -> list:
     n = len(flat) // g
     return [list(flat[i * n:(i + 1) * n]) for i in range(g)]
@@ -582,7 +578,7 @@ def wgrad_update_group_(weights, dys_t, xs, states, hparams, rule, cast_outs=Non
 
     r = get_rule(rule)
     g = len(weights)
-    x = _inputs(xs)
+    x = list(xs)
     sts, hps = _split(states, g), _split(hparams, g)
     casts = list(cast_outs) if cast_outs is not None else None
     if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, hps, r, side_outs=casts)):
@@ -598,7 +594,7 @@ def wgrad_update_group_table_(weights, dys_t, xs, states, scalars, rule, cast_ou
     from .wgrad_update import wgrad_update_table
 
     g = len(weights)
-    x = _inputs(xs)
+    x = list(xs)
     sts = _split(states, g)
     casts = list(cast_outs) if cast_outs is not None else None
     if not (weights[0].is_cuda and try_launch_group(list(weights), list(dys_t), x, sts, [], get_rule(rule),
