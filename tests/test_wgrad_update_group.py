@@ -516,42 +516,43 @@ def test_interpreter_backend_table_grouped(interpret, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("table", [False, True], ids=["launches", "table"])
-def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
-    # 1024 tokens: the members' own launches take the split kernel the grouped launch runs, so W may differ only as
-    # the route differs from itself (Inductor's kernels around the updates)
+def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table, steps):
+    # 1024 tokens: the members' own launches take the split kernel the grouped launch runs. One or two AdamW steps:
+    # the first update is ~lr * sign(dW) wherever |dW| >> eps, so a dW that differs in its last bits (the route is
+    # not reproducible run to run on CUDA: Inductor sums the embedding gradient with atomics) moves W by far less
+    # than 1e-4, while a member updated from the wrong rows, a stale W or a skipped member moves nearly every element
+    # by ~lr = 1e-2 (the second step checks the replayed graph). After three steps the test could not tell the two
+    # apart (stop 28, H100: a last-bit difference anywhere, bf16-rounded through two more forwards, left 14-46 % of
+    # every weight's elements > 1e-4 apart, grouped or not -- two ungrouped runs of the launches variant as well).
     from forge_compile.kernels import wgrad_update_group as kg
 
     kg.counters.clear()
-    m1, _, l1, reps = _train_llama_backend(True, monkeypatch, table=table, tokens=(16, 64), device="cuda",
-                                           autocast=torch.bfloat16)
+    kw = dict(steps=steps, table=table, tokens=(16, 64), device="cuda", autocast=torch.bfloat16)
+    m1, _, l1, reps = _train_llama_backend(True, monkeypatch, **kw)
     torch.cuda.synchronize()
     assert any(n.startswith("grouped launches: 4 sets") for r in reps for n in r.notes)
     if _sm90():
         assert kg.counters["grouped_launches"] > 0 and not kg.counters["member_launches"], dict(kg.counters)
     runs = []
     for _ in range(2):
-        m2, _, l2, _ = _train_llama_backend(False, monkeypatch, table=table, tokens=(16, 64), device="cuda",
-                                            autocast=torch.bfloat16)
+        m2, _, l2, _ = _train_llama_backend(False, monkeypatch, **kw)
         torch.cuda.synchronize()
         runs.append((m2, l2))
     (m2, l2), (m3, _) = runs
-    # Judged against the route's own spread, two ungrouped runs: it is not reproducible run to run on CUDA (stop 27,
-    # H100: grouped vs ungrouped had 1-14 % of embed.weight's elements > 1e-4 apart after 3 AdamW steps -- its
-    # gradient comes from Inductor's backward, summed with atomics, and AdamW turns a sign change of a near-zero
-    # gradient into a whole lr step; the next steps' forward then differs everywhere). A member updated from the
-    # wrong rows or a stale W differs in nearly every element (the grouped kernel is checked bitwise above).
     assert l1[0] == l2[0]
     rows = []
     for (name, a), b, c in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
         far = ((a - b).abs() > 1e-4).float().mean().item()
         spread = ((b - c).abs() > 1e-4).float().mean().item()
         rows.append((name, far, spread))
-    table_txt = "; ".join(f"{n} {f:.2%} (spread {sp:.2%})" for n, f, sp in rows)
+    table_txt = "; ".join(f"{n} {f:.3%} (spread {sp:.3%})" for n, f, sp in rows)
     if os.environ.get("FORGE_RESULTS"):
-        with open(os.path.join(os.environ["FORGE_RESULTS"], f"backend_grouped_spread_{table}.txt"), "w") as f:
+        with open(os.path.join(os.environ["FORGE_RESULTS"], f"backend_grouped_spread_{table}_{steps}.txt"), "w") as f:
             f.write(table_txt + "\n")
-    assert all(f <= 2 * sp + 0.02 for _, f, sp in rows), table_txt
+    # a wrong member moves ~all of its elements; 1 % allows the sign flips of near-zero gradients
+    assert all(f <= 2 * sp + 0.01 for _, f, sp in rows), table_txt
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):
