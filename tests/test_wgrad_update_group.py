@@ -516,20 +516,21 @@ def test_interpreter_backend_table_grouped(interpret, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("table", [False, True], ids=["launches", "table"])
-def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table, steps):
-    # 1024 tokens: the members' own launches take the split kernel the grouped launch runs. One or two AdamW steps:
-    # the first update is ~lr * sign(dW) wherever |dW| >> eps, so a dW that differs in its last bits (the route is
-    # not reproducible run to run on CUDA: Inductor sums the embedding gradient with atomics) moves W by far less
-    # than 1e-4, while a member updated from the wrong rows, a stale W or a skipped member moves nearly every element
-    # by ~lr = 1e-2 (the second step checks the replayed graph). After three steps the test could not tell the two
-    # apart (stop 28, H100: a last-bit difference anywhere, bf16-rounded through two more forwards, left 14-46 % of
-    # every weight's elements > 1e-4 apart, grouped or not -- two ungrouped runs of the launches variant as well).
+def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table):
+    # 1024 tokens: the members' own launches take the split kernel the grouped launch runs. ONE AdamW step: its
+    # update is ~lr * sign(dW) wherever |dW| >> eps, so a dW that differs in its last bits (the route is not
+    # reproducible run to run on CUDA: Inductor sums the embedding gradient with atomics, and the grouped graph is
+    # scheduled differently) moves W by far less than 1e-4, while a member updated from the wrong rows, a stale W or
+    # a skipped member moves nearly every element by ~lr = 1e-2. A second step cannot judge: bf16 autocast turns any
+    # sub-1e-4 difference of step 1 into different roundings in step 2's forward (stop 28, H100: after 2 steps two
+    # UNGROUPED runs of the launches variant were 5-22 % of elements > 1e-4 apart; grouped vs ungrouped of the table
+    # variant 5-29 %, after a first step with none). Later steps' exactness: the grouped kernels bitwise vs separate
+    # launches above, and route 1's grouped step bitwise the ungrouped one over several (graphed) steps.
     from forge_compile.kernels import wgrad_update_group as kg
 
     kg.counters.clear()
-    kw = dict(steps=steps, table=table, tokens=(16, 64), device="cuda", autocast=torch.bfloat16)
+    kw = dict(steps=1, table=table, tokens=(16, 64), device="cuda", autocast=torch.bfloat16)
     m1, _, l1, reps = _train_llama_backend(True, monkeypatch, **kw)
     torch.cuda.synchronize()
     assert any(n.startswith("grouped launches: 4 sets") for r in reps for n in r.notes)
@@ -546,13 +547,13 @@ def test_cuda_backend_grouped_step_is_close_to_ungrouped(monkeypatch, table, ste
     for (name, a), b, c in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
         far = ((a - b).abs() > 1e-4).float().mean().item()
         spread = ((b - c).abs() > 1e-4).float().mean().item()
-        rows.append((name, far, spread))
-    table_txt = "; ".join(f"{n} {f:.3%} (spread {sp:.3%})" for n, f, sp in rows)
+        rows.append((name, far, spread, (a - b).abs().max().item(), (b - c).abs().max().item()))
+    table_txt = "; ".join(f"{n} {f:.3%} (spread {sp:.3%}) max {d:.1e} (spread {e:.1e})" for n, f, sp, d, e in rows)
     if os.environ.get("FORGE_RESULTS"):
-        with open(os.path.join(os.environ["FORGE_RESULTS"], f"backend_grouped_spread_{table}_{steps}.txt"), "w") as f:
+        with open(os.path.join(os.environ["FORGE_RESULTS"], f"backend_grouped_spread_{table}.txt"), "w") as f:
             f.write(table_txt + "\n")
     # a wrong member moves ~all of its elements; 1 % allows the sign flips of near-zero gradients
-    assert all(f <= 2 * sp + 0.01 for _, f, sp in rows), table_txt
+    assert all(f <= 2 * sp + 0.01 for _, f, sp, _, _ in rows), table_txt
 
 
 def test_pass_groups_with_the_cast_option(monkeypatch):

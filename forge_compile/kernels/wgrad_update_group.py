@@ -167,10 +167,10 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
                           LD_EV)
     r = 0
     for t in range(pid, num_tiles, nprog):
-{group_scalar_loads}        mbarrier.wait(dw_bar.index(0), r & 1)
+        mbarrier.wait(dw_bar.index(0), r & 1)
         base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
         for c in range(CNT):
-            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
+{group_scalar_loads}            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
                                 {gdelta_params}nprog, num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM,
                                 H * CNT, CNT, STORE)
         base = base_nx
@@ -232,12 +232,15 @@ def render_group_source(ep, table: bool = False) -> str:
     fields = wg.render_fields(ep)
     n = ep.n_kernel_scalars
     if table:
-        # the tile's scalars are loaded before the wait for its dW, their latency under the wait (loaded after it,
-        # it stood before every tile's first update: the table variant lost the grouped launch's whole gain at
-        # M <= 2048, H100 stop 27; loaded a whole tile ahead, AdamW spilled 152 B)
+        # the member's scalars are reloaded at every chunk (L1 hits: a 32-byte row kept with evict_last), not once
+        # per tile: held across the tile's chunks they took 7 uniform registers and pushed the first epilogue
+        # warpgroup's tile offsets to local memory, 4 LDL per chunk on its store path (sm_90 SASS, stop 28), and
+        # their load latency stood right after each dW wait; the host-scalar variant likewise rereads its scalars
+        # (kernel arguments) at every chunk. Per chunk ptxas issues them 130-215 instructions ahead of their use.
         scal = dict(group_scalar_params="scal_ptr, sq1, sq2, sq3, ", group_scalar_loads=(
-            " " * 8 + "sro = _delta(base[2], sq1, sq2, sq3)\n"
-            + "".join(f"        c{i} = gl.load(scal_ptr + sro + {i})\n" for i in range(n))))
+            " " * 12 + "sro = _delta(base[2], sq1, sq2, sq3)\n"
+            + "".join(f"            c{i} = gl.load(scal_ptr + sro + {i}, eviction_policy=\"evict_last\")\n"
+                      for i in range(n))))
     else:
         scal = dict(group_scalar_params="".join(f"c{i}, " for i in range(n)), group_scalar_loads="")
     arrays = ["w", *ep.tensor_inputs[2:]]
