@@ -107,6 +107,8 @@ def base_route(route: str) -> str:
     for suffix in ROUTE_SWITCHES:
         route = route.removesuffix(suffix)
     return route
+
+
 GIB = 2 ** 30
 
 # Presets: model shape and run lengths; every field can be overridden by its flag.

@@ -62,7 +62,7 @@ from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .passes.wgrad_update_pattern import _VIEW_OPS, rewrite_wgrad_updates
+from .passes.wgrad_update_pattern import _VIEW_OPS, fp32_activation_note, rewrite_wgrad_updates
 from .report import FusionReport
 
 log = logging.getLogger(__name__)
@@ -593,6 +593,7 @@ class _Compilation:
             graph.lint()
 
             decisions = rewrite_wgrad_updates(gm, names, fuse=True)
+            fp32_note = fp32_activation_note(gm)
 
             # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
             # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
@@ -643,6 +644,8 @@ class _Compilation:
         report = FusionReport(decisions, graph="backward")
         if fused_plans:
             report.notes.append(_NOTE_SEMANTICS)
+        if fused_plans and fp32_note is not None:
+            report.notes.append(fp32_note)
         if table_note is not None:
             report.notes.append(table_note)
         if grouped_note is not None:

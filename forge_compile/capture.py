@@ -42,7 +42,7 @@ from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, w
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .passes.wgrad_update_pattern import rewrite_wgrad_updates
+from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
 
@@ -465,6 +465,8 @@ class CompiledTrainStep:
                                           after_copies=self._recompute_weight_copies or self._cast_weights,
                                           embeddings=True)
         report = FusionReport(decisions, graph="train_step")
+        if note := fp32_activation_note(gm):
+            report.notes.append(note)
         out_info["casts"] = ()
         if self._cast_weights:
             n_pre = len(flat) - len(t_idx) - len(grads_in)    # the step's tensor arguments (and gradients) come last

@@ -932,3 +932,46 @@ def test_grad_scaler_is_refused_with_its_reason():
     with pytest.raises(forge.ForgeCaptureError, match="does not support torch.amp.GradScaler"):
         forge.compile_train_step(body)(*_mlp_batch())
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), w0))
+
+
+def test_fp32_activation_note_names_the_slow_regime():
+    # forge::wgrad_update_ nodes whose GEMM operands are fp32 CUDA tensors (fake, so no GPU is needed); the pass's
+    # transposed operands (aten.t without meta of their own) are followed to their source
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import torch.fx as fx
+    from forge_compile.passes.wgrad_update_pattern import counters, fp32_activation_note
+
+    def graph(dtype, device, transposed=False):
+        g = fx.Graph()
+        with FakeTensorMode():
+            vals = {"w": torch.empty(8, 4, device=device), "dy_t": torch.empty(8, 16, device=device, dtype=dtype),
+                    "x": torch.empty(16, 4, device=device, dtype=dtype)}
+        nodes = {}
+        for name, v in vals.items():
+            nodes[name] = g.placeholder(name)
+            nodes[name].meta["val"] = v
+        ops = [g.call_function(torch.ops.aten.t.default, (nodes[n],)) if transposed else nodes[n]
+               for n in ("dy_t", "x")]
+        g.call_function(torch.ops.forge.wgrad_update_.default, (nodes["w"], *ops, [], [], "sgd"))
+        g.output(None)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    before = counters["fp32_activation_gemms"]
+    note = fp32_activation_note(graph(torch.float32, "cuda"))
+    assert note is not None and note.startswith("fp32 activations: 1 fused weight-gradient GEMMs")
+    assert counters["fp32_activation_gemms"] == before + 1
+    assert fp32_activation_note(graph(torch.float32, "cuda", transposed=True)) is not None
+    assert fp32_activation_note(graph(torch.bfloat16, "cuda")) is None      # autocast: the fast regime
+    assert fp32_activation_note(graph(torch.float32, "cpu")) is None        # the CPU path has its own figures
+
+
+def test_cpu_fp32_step_has_no_fp32_activation_note():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+    step(torch.randn(8, 16), torch.randn(8, 8))
+    assert step.last_report.fused and not any(n.startswith("fp32 activations") for n in step.last_report.notes)

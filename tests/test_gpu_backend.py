@@ -58,6 +58,8 @@ def test_cuda_backend_matches_eager(opt_name, autocast):
     cm = torch.compile(model, backend="forge", options={"optimizer": opt})
     _train_both(cm, opt, ref, ref_opt, (33,) * STEPS, autocast)
     assert len(fb.last_report().fused) == 5, str(fb.last_report())
+    # the report names the slow regime exactly when the fused GEMMs take fp32 operands
+    assert any(n.startswith("fp32 activations: 5 fused") for n in fb.last_report().notes) != autocast
     # fp32: IEEE dots in the kernel vs cuBLAS, another summation order amplified by Adam/Lion's
     # normalisation (as tests/test_gpu_train_step.py). bf16: Inductor and eager round bf16
     # intermediates differently and the kernel keeps dW in fp32 where eager rounds it to bf16;

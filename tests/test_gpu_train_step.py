@@ -41,6 +41,8 @@ def test_cuda_fp32_matches_eager(opt_name):
         step(x, y)
         rl = _loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
     assert len(step.last_report.fused) == 6      # 5 linear weights and the embedding (forge::embedding_update_)
+    # fp32 activations on CUDA: the report says this is the slow regime (the 5 GEMMs; the embedding has none)
+    assert any(n.startswith("fp32 activations: 5 fused") for n in step.last_report.notes), step.last_report.notes
     # fp32 IEEE dots in the kernel vs cuBLAS: another summation order, amplified by Adam/Lion's
     # normalisation over 5 steps. Lion's sign() can flip on near-zero momentum: bounded by 2*lr.
     for a, b in zip(model.parameters(), ref.parameters()):
@@ -139,6 +141,8 @@ def test_cuda_fused_adamw_keeps_device_step_format():
         step(x, y)
         rl = _loss(ref(x), y); rl.backward(); ref_opt.step(); ref_opt.zero_grad()
     assert len(step.last_report.fused) == 6      # 5 linear weights and the embedding (forge::embedding_update_)
+    # fp32 activations on CUDA: the report says this is the slow regime (the 5 GEMMs; the embedding has none)
+    assert any(n.startswith("fp32 activations: 5 fused") for n in step.last_report.notes), step.last_report.notes
     for p in model.parameters():
         s = opt.state[p]["step"]
         assert s.device.type == "cuda" and s.dtype == torch.float32 and float(s) == 3.0
