@@ -170,7 +170,8 @@ def _group_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {group_scalar_params}N, K, 
         mbarrier.wait(dw_bar.index(0), r & 1)
         base_nx = _group_base(t + nprog, num_tiles, num_n, num_k, s1, s2, s3, BN, BK, GROUP)
         for c in range(CNT):
-{group_scalar_loads}            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
+{group_scalar_loads}
+            ahead = _group_step(dw_chunks, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scalar_params}
                                 {gdelta_params}nprog, num_tiles, N, K, BK, R, AHEAD, L, BIG, LD_EV, ST_EV, ST_CM,
                                 H * CNT, CNT, STORE)
         base = base_nx
