@@ -84,7 +84,12 @@ def _specs(args):
                         layouts[lname], table, side
 
 
-def _sass_digest(cubin: bytes, cuobjdump: str):
+def sass_text(cubin: bytes, cuobjdump: str | None = None) -> str:
+    """cuobjdump -sass of a cubin (the cuobjdump beside triton's ptxas unless given)."""
+    if cuobjdump is None:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.cubin")
         with open(p, "wb") as f:
@@ -92,8 +97,12 @@ def _sass_digest(cubin: bytes, cuobjdump: str):
         r = subprocess.run([cuobjdump, "-sass", p], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError("cuobjdump: " + r.stderr[-800:])
+    return r.stdout
+
+
+def _sass_digest(cubin: bytes, cuobjdump: str):
     # instruction text only: "/*0a40*/  IMAD ... ;  /* 0x... */" -> "IMAD ... ;"
-    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?;)", r.stdout)]
+    ins = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?;)", sass_text(cubin, cuobjdump))]
     # the tensor-core instruction the GEMM compiled to (HGMMA: wgmma; HMMA: mma.sync; none: FMA)
     mma = next((op for op in ("HGMMA", "HMMA") if any(i.startswith(op) for i in ins)), "-")
     return (len(ins), hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], sum("F2I" in i for i in ins),

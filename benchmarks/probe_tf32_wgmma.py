@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 
@@ -104,30 +102,15 @@ def kern(a_desc, b_desc, c_ptr, M, MODE: gl.constexpr, STAGES: gl.constexpr, num
     gl.store(c_ptr + rn[:, None] * BK + rk[None, :], acc)
 
 
-def ptxas_row(ck):
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        with open(p, "w") as f:
-            f.write(ck.asm["ptx"])
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", p, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError("ptxas: " + r.stderr[-1500:])
-    regs = max(int(v) for v in re.findall(r"Used (\d+) registers", r.stderr))
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.cubin")
-        with open(p, "wb") as f:
-            f.write(ck.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", p], capture_output=True, text=True).stdout
-    mma = sorted(set(re.findall(r"(HGMMA\.\S+|HMMA\.\S+)", sass)))
-    return dict(smem=ck.metadata.shared, regs=regs, spills=spills, mma=mma,
+def compile_row(ck) -> dict:
+    """compile_sm90's registers / spills / smem row, plus the tensor-core instruction's full name (.TF32?) and the
+    converter's shared-memory traffic (LDSM / LDS / STS) and any FMA fallback, counted in the SASS."""
+    from compile_sm90 import _ptxas_row, sass_text
+
+    sass = sass_text(ck.asm["cubin"])
+    return dict(_ptxas_row(ck), mma=sorted(set(re.findall(r"(HGMMA\.\S+|HMMA\.\S+)", sass))),
                 n_ldsm=len(re.findall(r"LDSM", sass)), n_lds=len(re.findall(r"\bLDS", sass)),
-                n_sts=len(re.findall(r"\bSTS", sass)), n_ffma=len(re.findall(r"FFMA", sass))), sass
-
-
+                n_sts=len(re.findall(r"\bSTS", sass)), n_ffma=len(re.findall(r"FFMA", sass)))
 
 
 def main():
@@ -161,7 +144,7 @@ def main():
                 row.update(ms=ms, tflops_per_sm=2 * m * BN * BK / ms / 1e9)
             else:
                 ck = kern.warmup(ad, bd, c, m, MODE=mode, STAGES=STAGES, num_warps=4, grid=(1,))
-                row.update(ok=True, **ptxas_row(ck)[0])
+                row.update(ok=True, **compile_row(ck))
         except Exception as e:   # a probe: report every mode, also the ones the compiler rejects
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[-400:]}")
         rows.append(row)
