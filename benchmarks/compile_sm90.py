@@ -59,7 +59,9 @@ def _specs(args):
                "smem_h": wg.smem_config(hoist=True), "split_h": wg.split_config(hoist=True), "vec": wg.vec_config(),
                **{f"split_pf{r}": wg.split_config(l2pf=r) for r in (16, 32, 64)},
                "split_h_a6": wg.split_config(hoist=True, ahead=6), "split_h_a8": wg.split_config(hoist=True, ahead=8),
-               "split_h_ld": wg.split_config(hoist=True, evict="ld")}
+               "split_h_ld": wg.split_config(hoist=True, evict="ld"),
+               # fp32 activations under TF32: the split kernel on K-major copies (compiled with fp32 dY / X)
+               "tf32": wg.tf32_config(4096), "tf32_h": wg.tf32_config(1024)}
     for rname in args.rules.split(","):
         for cname in filter(None, args.triton.split(",")):
             for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):
@@ -109,7 +111,7 @@ def _sass_digest(cubin: bytes, cuobjdump: str):
             mma)
 
 
-def compile_one(rule, cfg, table, side, n, k, m):
+def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
     from forge_compile.kernels import wgrad_update_gluon as wg
     from forge_compile.kernels.epilogue_codegen import compile_epilogue
     from forge_compile.kernels.wgrad_update_triton import split_states
@@ -118,8 +120,8 @@ def compile_one(rule, cfg, table, side, n, k, m):
     w = torch.randn(n, k, generator=gen)
     states = [torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(n, k, generator=gen)
               for i in range(len(rule.states))]
-    dy = torch.randn(m, n, generator=gen).bfloat16()
-    x = torch.randn(m, k, generator=gen).bfloat16()
+    dy = torch.randn(m, n, generator=gen).to(act)
+    x = torch.randn(m, k, generator=gen).to(act)
     hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
     # the side output: dW (fp32) or the new W's bf16 copy; or no side output and a tied embedding's rows
     grad = {None: None, "dw": torch.empty_like(w), "cast": torch.empty_like(w, dtype=torch.bfloat16),
@@ -226,7 +228,8 @@ def main(argv=None):
         try:
             row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
                    else compile_group(rule, n, k, m, table=table[1], side=side) if isinstance(table, tuple)
-                   else compile_one(rule, cfg, table, side, n, k, m))
+                   else compile_one(rule, cfg, table, side, n, k, m,
+                                    torch.float32 if name.split("/")[1].startswith("tf32") else torch.bfloat16))
         except Exception as e:   # report and go on
             failed.append(name)
             print(f"{name:28s} FAILED {type(e).__name__}: {str(e)[-1200:]}", flush=True)

@@ -458,11 +458,12 @@ SMEM_LAYOUTS = {"smem_r16a2s3": wg.smem_config(), "smem_r8a2s3": wg.smem_config(
 def test_vector_picks_where_measured():
     # H200 (NOTES_kernel.md v11, v12), 2-byte activations: the split kernel for AdamW's 3 arrays above M=512 and
     # for the 2-array rules above M=1024 (7-13 % faster at M=2048); the smem epilogue for 3 arrays at M <= 512;
-    # the TMA ring elsewhere (the 2-array rules at M <= 1024, 4+ arrays: not measured with the others); with fp32
-    # activations neither fits its GEMM stages
+    # the TMA ring elsewhere (the 2-array rules at M <= 1024, 4+ arrays: not measured with the others); fp32
+    # activations (under TF32) take the split kernel with 32-token K-major stages at every M (test_wgrad_update_tf32)
     for n_arrays in range(1, 6):
         for m in (64, 256, 512, 513, 1024, 1025, 8192):
-            for act_bytes in (2, 4):
+            assert wg.pick_gconfig(m, n_arrays, 4) == wg.tf32_config(m)
+            for act_bytes in (2,):
                 want = "tma"
                 if act_bytes == 2 and n_arrays == 3:
                     want = "smem" if m <= 512 else "split"

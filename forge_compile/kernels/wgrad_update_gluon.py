@@ -151,10 +151,17 @@ def _gdc_wait():
 
 @gluon.jit
 def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k,
-                 GROUP: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = 0):
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
-    BN: gl.constexpr = dy_desc.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
+                 GROUP: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+    if KMAJOR:
+        # fp32 activations under TF32 (kmajor_operands): the descriptors are over dY^T [N, M] and X^T [K, M] copies,
+        # tokens contiguous -- tf32 wgmma takes only K-major operands, and TMA cannot transpose 4-byte elements
+        BMT: gl.constexpr = dy_desc.block_type.shape[1]
+        BN: gl.constexpr = dy_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[0]
+    else:
+        BMT: gl.constexpr = dy_desc.block_type.shape[0]
+        BN: gl.constexpr = dy_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
     if PDL > 0:
         # launched as a programmatic dependent of the kernel before it (GConfig.pdl): dY and X may be its output,
         # so the loader waits for it to complete (with PDL=2 the epilogue warpgroups' first W/state loads go ahead
@@ -171,19 +178,29 @@ def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, nu
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(dy_desc, [ks * BMT, pid_n * BN], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(x_desc, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
+            if KMAJOR:
+                tma.async_copy_global_to_shared(dy_desc, [pid_n * BN, ks * BMT], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc, [pid_k * BK, ks * BMT], bar, b_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(dy_desc, [ks * BMT, pid_n * BN], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(x_desc, [ks * BMT, pid_k * BK], bar, b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
 def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID: gl.constexpr,
-              STAGES: gl.constexpr, acc_layout: gl.constexpr, TURN: gl.constexpr = True):
+              STAGES: gl.constexpr, acc_layout: gl.constexpr, TURN: gl.constexpr = True,
+              KMAJOR: gl.constexpr = False):
     # one tile's GEMM over all of M (ring entries it0 ..): wait for this consumer's mma turn, wgmma each stage and
     # free the previous one, hand the turn over, drain; returns the [BN, BK] fp32 accumulator. TURN=False: the
-    # only warpgroup issuing MMAs (epi="split"), no turn
-    BN: gl.constexpr = a_bufs.type.shape[2]
-    BK: gl.constexpr = b_bufs.type.shape[2]
+    # only warpgroup issuing MMAs (epi="split"), no turn. KMAJOR: stages [BN, BMT] / [BK, BMT] (tokens contiguous;
+    # _gemm_loader), the tf32 MMA on fp32 operands
+    if KMAJOR:
+        BN: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = b_bufs.type.shape[1]
+    else:
+        BN: gl.constexpr = a_bufs.type.shape[2]
+        BK: gl.constexpr = b_bufs.type.shape[2]
     if TURN:
         mbarrier.wait(mma_turn.index(CID), turn_ph)
     acc = gl.zeros([BN, BK], gl.float32, acc_layout)
@@ -191,7 +208,10 @@ def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID:
         it = it0 + ks
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+        if KMAJOR:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=ks > 0)
     if TURN:
@@ -205,11 +225,13 @@ def _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, turn_ph, it0, ksteps, CID:
 def _gemm_ring(dy_desc, x_desc, STAGES: gl.constexpr):
     # the GEMM operand ring of the kernels without an epilogue ring (vec, smem, gemm): dY / X stages, their
     # ready / empty barriers, and the mma turn the two consumers pass each other
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
-    BN: gl.constexpr = dy_desc.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BMT, BN], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMT, BK], x_desc.layout)
+    # stages shaped as the descriptors' blocks: [BMT, BN] / [BMT, BK], or [BN, BMT] / [BK, BMT] (KMAJOR)
+    A0: gl.constexpr = dy_desc.block_type.shape[0]
+    A1: gl.constexpr = dy_desc.block_type.shape[1]
+    B0: gl.constexpr = x_desc.block_type.shape[0]
+    B1: gl.constexpr = x_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, A0, A1], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, B0, B1], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1008,12 +1030,19 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 _SPLIT_KERNEL = '''\
 @gluon.jit
 def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
-               STAGES: gl.constexpr, NDW: gl.constexpr):
-    BMT: gl.constexpr = dy_desc.block_type.shape[0]
-    BN: gl.constexpr = dy_desc.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BK, 16])
+               STAGES: gl.constexpr, NDW: gl.constexpr, KMAJOR: gl.constexpr = False):
+    if KMAJOR:   # fp32 under TF32: [BN, BMT] / [BK, BMT] stages (_gemm_loader), tf32 wgmma's K of 8
+        BMT: gl.constexpr = dy_desc.block_type.shape[1]
+        BN: gl.constexpr = dy_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BK, 8])
+    else:
+        BMT: gl.constexpr = dy_desc.block_type.shape[0]
+        BN: gl.constexpr = dy_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BK, 16])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -1022,7 +1051,7 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
     r = 0
     for t in range(pid, num_tiles, nprog):
         acc = _tile_mma(a_bufs, b_bufs, ready, empty, mma_turn, 0, r * ksteps, ksteps, 0, STAGES, acc_layout,
-                        False)
+                        False, KMAJOR)
         # the epilogue warpgroups have read the tile NDW tiles back (phase trick: passes at once the first time)
         b = r % NDW
         mbarrier.wait(dw_bar.index(NDW + b), ((r // NDW) & 1) ^ 1)
@@ -1101,9 +1130,13 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
                               HOIST: gl.constexpr, PF: gl.constexpr, PF_NEXT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              num_warps: gl.constexpr, PDL: gl.constexpr = 0):
-    BN: gl.constexpr = dy_desc.block_type.shape[1]
-    BK: gl.constexpr = x_desc.block_type.shape[1]
+                              num_warps: gl.constexpr, PDL: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+    if KMAJOR:   # descriptors over dY^T [N, M] / X^T [K, M] (fp32 under TF32; _gemm_loader)
+        BN: gl.constexpr = dy_desc.block_type.shape[0]
+        BK: gl.constexpr = x_desc.block_type.shape[0]
+    else:
+        BN: gl.constexpr = dy_desc.block_type.shape[1]
+        BK: gl.constexpr = x_desc.block_type.shape[1]
     gl.static_assert(num_warps == 4)
 {scalar_loads}    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
     K = gl.multiple_of(K, 8)
@@ -1121,14 +1154,14 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 
     gl.warp_specialize([
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
-                      NDW)),
+                      NDW, KMAJOR)),
         (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT, PDL)),
         (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
                        GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT,
                        PDL)),
         (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
-                        STAGES, PDL)),
+                        STAGES, PDL, KMAJOR)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
@@ -1500,6 +1533,8 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     - else the TMA ring (``_pick_tma``); 4 or more arrays (dW stored, Adam-amsgrad) were not measured with the
       split kernel and stay there.
     """
+    if act_bytes == 4:
+        return tf32_config(m)
     cfg = None
     if m > _SPLIT_M.get(n_arrays, m):
         cfg = split_config(hoist=m <= _SPLIT_HOIST_M)
@@ -1546,6 +1581,8 @@ def gconfig_candidates(m: int, n_arrays: int, act_bytes: int = 2) -> list[GConfi
     "split kernel knobs"): hoist toggled, hoist with evict_first loads (lm_head 32000x2048 M=1024-2048 3-7 %),
     hoist with tile-order group 4 (K=2048 shapes 1-5 %)."""
     pick = pick_gconfig(m, n_arrays, act_bytes)
+    if act_bytes == 4:   # fp32 under TF32: the split kernel only (K-major stages); hoist the one knob offered
+        return [pick, dataclasses.replace(pick, hoist=not pick.hoist)]
     base = _pick_tma(m, n_arrays, act_bytes)
     if pick is not None and pick.epi in ("smem", "split"):
         out = [pick] + ([base] if base is not None else [])
@@ -1633,6 +1670,14 @@ def split_config(rows: int = 8, ahead: int = 4, stages: int = SPLIT_STAGES, bmt:
                   l2pf_first=l2pf_first, pdl=pdl)
     _check_gconfig(cfg)
     return cfg
+
+
+def tf32_config(m: int, stages: int = SPLIT_STAGES) -> GConfig:
+    """fp32 activations under TF32 (pick_gconfig with 4-byte activations, any number of arrays): the split kernel
+    with 32-token stages of the K-major copies -- the same 32 KB per stage as 64 bf16 tokens, so the 5 stages and
+    the dW tile fill the same 224 KB; hoist as for bf16 (up to _SPLIT_HOIST_M). Prepared on CPU (sm_90 compiles);
+    measured: benchmarks/RESULTS.md."""
+    return split_config(bmt=32, stages=stages, hoist=m <= _SPLIT_HOIST_M)
 
 
 def gemm_config(stages: int = 4, bmt: int = 64) -> GConfig:
@@ -1817,15 +1862,20 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
         return "not an sm_90 CUDA device"
     if not gluon_available():
         return "triton.experimental.gluon (Hopper) not importable"
-    if dy_t.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        return f"activations {dy_t.dtype}/{x.dtype} (bf16 or fp16, same dtype)"
+    if dy_t.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations {dy_t.dtype}/{x.dtype} (bf16, fp16 or -- under TF32 -- fp32, same dtype)"
     n, k = weight.shape
     m = x.shape[0]
     if m == 0:
         return "M == 0"
+    if x.dtype == torch.float32:
+        why = tf32_reason(dy_t, x, extra)
+        if why is not None:
+            return why
     # TMA: dY row-major [M, N] (dy_t its transpose, as autograd gives it), X row-major [M, K]; 16-byte aligned
-    # bases and row strides (N, K multiples of 8 for 2-byte activations; fp32 [N, K] then needs K % 4 too)
-    if not dy_t.t().is_contiguous() or not x.is_contiguous():
+    # bases and row strides (N, K multiples of 8 for 2-byte activations; fp32 [N, K] then needs K % 4 too). fp32
+    # activations are copied K-major whatever their layout (_prepare)
+    elif not dy_t.t().is_contiguous() or not x.is_contiguous():
         return "dy_t must be the transpose of a row-major dY and x row-major"
     if n % 8 or k % 8:
         return "N and K must be multiples of 8 (16-byte TMA row strides)"
@@ -1851,6 +1901,30 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
 
 
 EXTRA_ENV = "FORGE_GLUON_EXTRA"
+TF32_ENV = "FORGE_GLUON_TF32"
+
+
+def tf32_enabled() -> bool:
+    """fp32 activations under TF32 go to the Gluon split kernel on K-major copies unless FORGE_GLUON_TF32=0 (then
+    the Triton kernel's bf16x3 dot, 0.40-0.58x of cuBLAS TF32 + fused AdamW). Part of the launch memo's kind."""
+    return os.environ.get(TF32_ENV, "1").strip() not in ("0", "false", "off", "no")
+
+
+def tf32_reason(dy_t, x, extra=None) -> str | None:
+    """None when fp32 activations can take the Gluon kernel: TF32 allowed for fp32 matmuls (the precision torch.mm
+    takes there; IEEE stays on the Triton kernel's FMA dot), M a multiple of 4 (16-byte rows of the [N, M] / [K, M]
+    copies' TMA descriptors), no tied embedding's rows (not built for this path)."""
+    from .wgrad_update_triton import fp32_dot_precision
+
+    if fp32_dot_precision(dy_t, x) != "tf32":
+        return "fp32 activations without TF32: the IEEE fp32 GEMM (Triton kernel)"
+    if not tf32_enabled():
+        return f"fp32 activations under TF32: {TF32_ENV}=0 (Triton kernel)"
+    if x.shape[0] % 4:
+        return "fp32 activations under TF32: M must be a multiple of 4 (16-byte rows of the K-major copies)"
+    if extra is not None:
+        return "fp32 activations under TF32 with a tied embedding's rows (Triton kernel)"
+    return None
 
 
 # epilogues that address W/states through pointers: they store the side output's cast copy (SIDE_CAST) from
@@ -1900,6 +1974,10 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
     # per launch these would cost a few microseconds of host time each
     from triton.experimental.gluon import language as gl
 
+    if act_dtype == torch.float32:   # K-major boxes of the transposed copies (_prepare)
+        return (gl.NVMMASharedLayout.get_default_for([cfg.bn, cfg.bmt], gl.float32),
+                gl.NVMMASharedLayout.get_default_for([cfg.bk, cfg.bmt], gl.float32),
+                gl.NVMMASharedLayout.get_default_for(_box(cfg), gl.float32))
     act = gl.bfloat16 if act_dtype == torch.bfloat16 else gl.float16
     return (gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bn], act),
             gl.NVMMASharedLayout.get_default_for([cfg.bmt, cfg.bk], act),
@@ -1936,8 +2014,19 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                          "split do")
     rows_args = tuple(extra) if extra is not None else ()
     a_l, b_l, e_l = _smem_layouts(cfg, x.dtype)
-    dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
-    x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
+    kmajor = x.dtype == torch.float32
+    if kmajor:
+        # fp32 under TF32: tf32 wgmma takes K-major operands only and both of the wgrad's are token-major, so they
+        # are copied transposed (dY^T [N, M], X^T [K, M]; M*(N+K)*4 bytes, freed after the launch -- never kept by
+        # the launch memo, launch_wgrad_update) and the split kernel's loader reads [BN, BMT] / [BK, BMT] boxes
+        if cfg.epi != "split":
+            raise ValueError(f"forge: fp32 activations (TF32) run the Gluon 'split' kernel only, got {cfg.epi!r}")
+        dyk, xk = dy_t.contiguous(), x.t().contiguous()
+        dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
+        x_desc = TensorDescriptor(xk, [k, m], [m, 1], [cfg.bk, cfg.bmt], b_l)
+    else:
+        dy_desc = TensorDescriptor(dy_t, [m, n], [n, 1], [cfg.bmt, cfg.bn], a_l)   # dY [M, N] row-major
+        x_desc = TensorDescriptor(x, [m, k], [k, 1], [cfg.bmt, cfg.bk], b_l)
     if cfg.epi == "gemm":
         # overlap diagnostic: side_out, when given, receives the per-tile row sums (gemm_sums_shape), else a
         # scratch does; W/states are untouched and scalar states are not advanced (nothing returned to advance)
@@ -1965,7 +2054,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first)
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first, KMAJOR=kmajor)
             # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output
             opts.update(pdl_opts(cfg, allowed=extra is None))
         return kernel, grid, args, opts, scalar_states, new_scalar_states
@@ -2014,6 +2103,16 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
     NOT advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config=config,
                                               table=table)
+    if x.dtype == torch.float32:
+        # fp32 under TF32: every launch copies dY and X K-major first (_prepare), so the callable does too (into
+        # the copies its descriptors address) -- timing the kernel alone would leave that traffic out
+        dyk, xk = args[0].base, args[1].base
+
+        def run():
+            dyk.copy_(dy_t)
+            xk.copy_(x.t())
+            kernel[grid](*args, **opts)
+        return run
     return lambda: kernel[grid](*args, **opts)
 
 

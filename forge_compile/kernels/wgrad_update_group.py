@@ -308,6 +308,9 @@ def group_reason(weights, dys_t, x, states_list, hparams_list, rule: Rule, confi
     xs = member_inputs(x, g)
     if len(xs) != g:
         return f"{len(xs)} inputs X for {g} members"
+    if any(xi.dtype == torch.float32 for xi in xs):
+        # the single kernel's fp32 (TF32) path reads K-major copies; the grouped loader reads token-major panels
+        return "fp32 activations (the grouped kernel takes 2-byte activations)"
     for i, (w, dy_t, xi) in enumerate(zip(weights, dys_t, xs)):
         if w.dim() != 2 or w.shape[1] != k:
             return f"member {i}: weight {list(w.shape)}, not [N, {k}] like member 0"

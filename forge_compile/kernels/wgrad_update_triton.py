@@ -659,7 +659,7 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
         if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
             # the kind: everything of the kernel choice that is not in the tensors' properties
             kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None,
-                    fp32_dot_precision(dy_t, x))
+                    fp32_dot_precision(dy_t, x), x.dtype == torch.float32 and wg.tf32_enabled())
             memo_states = states if table is None else (*states, table)
             memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, side_out)
             if launch_memo.lookup(memo_key, states, hparams):
@@ -680,7 +680,8 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
         else:
             ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
         if ran_gluon:
-            if memo_key is not None:
+            # fp32 (TF32) launches read K-major copies made for this launch alone: nothing of them can be replayed
+            if memo_key is not None and x.dtype != torch.float32:
                 _remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule, side_out,
                                                               config=gcfg, table=table),
                           wg._source_for(rule)[0], states, hparams, table)
