@@ -375,8 +375,12 @@ def run_worker(cfg: dict, res: dict) -> dict:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     bf16 = device.type == "cuda" and not cfg["fp32"]
+    if cfg.get("tf32"):
+        # fp32 matmuls in TF32 for every route alike (cuBLAS's and forge's wgrad follow the same switch)
+        torch.set_float32_matmul_precision("high")
     res.update(route=route, mb=mb, role=cfg["role"], tokens_per_step=mb * cfg["seq_len"], device=str(device),
-               precision="bf16 autocast" if bf16 else "fp32", torch=torch.__version__)
+               precision="bf16 autocast" if bf16 else "fp32 (TF32 matmuls)" if cfg.get("tf32") else "fp32",
+               torch=torch.__version__)
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.set_device(device)
@@ -777,7 +781,8 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
         if ok(r) and r.get("median_ms") and (r.get("role", "main") == "main" or r["role"].startswith("repeat")):
             run_ms.setdefault((r["route"], r["mb"]), []).append(r["median_ms"])
     med = lambda key: statistics.median(run_ms[key]) if run_ms.get(key) else None
-    tol = LOSS_ATOL["bf16" if cfg["device"].startswith("cuda") and not cfg["fp32"] else "fp32"]
+    # TF32 matmuls (10-bit mantissa inputs) round like bf16's: the bf16 tolerance
+    tol = LOSS_ATOL["bf16" if cfg["device"].startswith("cuda") and (not cfg["fp32"] or cfg.get("tf32")) else "fp32"]
     rows = []
     for (route, mb), r in sorted(main.items(), key=lambda kv: (kv[0][1], ROUTES.index(kv[0][0]))):
         base = main.get(("baseline", mb))
@@ -1041,6 +1046,8 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--tf32", action="store_true",
+                   help="with --fp32: torch.set_float32_matmul_precision('high') in every run (TF32 matmuls)")
     p.add_argument("--budget-gib", type=float, help="memory budget; default: anchored on the baseline (below)")
     p.add_argument("--budget-base-mb", type=int, default=1,
                    help="default budget = the baseline's fitted peak at this micro-batch + half a sequence")
@@ -1088,7 +1095,10 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"unknown routes {sorted(bad)}; known: {', '.join(ROUTES)}")
     mbs = [int(m) for m in str(args.mbs).split(",") if m]
-    cfg = dict(device=args.device, fp32=bool(args.fp32), tied=bool(args.tied), checkpoint=bool(args.checkpoint),
+    if args.tf32 and not args.fp32:
+        raise SystemExit("--tf32 goes with --fp32 (under bf16 autocast the matmuls are bf16)")
+    cfg = dict(device=args.device, fp32=bool(args.fp32), tf32=bool(args.tf32), tied=bool(args.tied),
+               checkpoint=bool(args.checkpoint),
                d_model=args.d_model, layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
@@ -1105,7 +1115,8 @@ def main(argv=None):
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     header = (f"bench_train_step  {stamp}  device {args.device} ({{gpu}})  torch {torch.__version__}\n"
               f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
-              f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}, fp32 master "
+              f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}"
+              f"{' (TF32 matmuls)' if args.tf32 else ''}, fp32 master "
               f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
               + ("; tied lm_head" if args.tied else "")
               + ("; activation checkpointing per layer" if args.checkpoint else "")
