@@ -974,27 +974,6 @@ def math_sweep(args, log):
 
 
 TF32_MS = (256, 1024, 2048, 4096, 8192)
-
-
-def _tiled_t(src, dst):
-    """dst[c, r] = src[r, c] for a row-major src [R, C] and a contiguous dst [C, R]: a tiled Triton transpose (the
-    tile goes through shared memory, both sides coalesced) -- a probe beside torch's transposing copy."""
-    import triton
-    import triton.language as tl
-
-    global _TILED_T
-    if "_TILED_T" not in globals():
-        @triton.jit
-        def kern(s_ptr, d_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr):
-            rr = tl.program_id(0) * BR + tl.arange(0, BR)
-            cc = tl.program_id(1) * BC + tl.arange(0, BC)
-            tile = tl.load(s_ptr + rr[:, None] * C + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
-            tl.store(d_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile),
-                     mask=(cc[:, None] < C) & (rr[None, :] < R))
-        _TILED_T = kern
-    r, c = src.shape
-    _TILED_T[(triton.cdiv(r, 64), triton.cdiv(c, 64))](src, dst, r, c, BR=64, BC=64, num_warps=4)
-    return dst
 TF32_IEEE_CANDIDATES = ("f128x128", "f64x128")   # larger FMA tiles than the IEEE pick (tf64m32), not yet measured
 
 
@@ -1051,15 +1030,16 @@ def tf32_sweep(args, log):
                         t[f"{gname}/tf32"] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=gc))
                     if "gl/tf32" in t:
                         t["xg/tf32"] = t["unfused/tf32"] / t["gl/tf32"]
-                    # the K-major copies alone (torch's transposing copy, what _prepare runs), and a tiled Triton
-                    # transpose for comparison: if the copies are slow, that is the next lever
-                    t["copies/tf32"] = bench(lambda: (dy_t.contiguous(), x.t().contiguous()))
-                    dyk, xk = dy_t.contiguous(), x.t().contiguous()
-                    if torch.equal(_tiled_t(dy_t.t(), dyk), dyk) and torch.equal(_tiled_t(x, xk), xk):
-                        t["tcopies/tf32"] = bench(lambda: (_tiled_t(dy_t.t(), dyk), _tiled_t(x, xk)))
+                    # the K-major copies alone: kernels/transpose_copy.py (what _prepare runs; checked against
+                    # torch's), and torch's transposing copy (stop 29's first version: 2.5-3x slower on the H100)
+                    from forge_compile.kernels.transpose_copy import transpose_copy
+
+                    if torch.equal(transpose_copy(dy_t.t()), dy_t) and torch.equal(transpose_copy(x), x.t()):
+                        t["copies/tf32"] = bench(lambda: (transpose_copy(dy_t.t()), transpose_copy(x)))
                     else:
                         all_ok = False
-                        log(f"CHECK FAILED: tiled transpose M={m}")
+                        log(f"CHECK FAILED: transpose_copy M={m}")
+                    t["torch_copies/tf32"] = bench(lambda: (dy_t.contiguous(), x.t().contiguous()))
             rows.append((m, t))
             log(f"AdamW 4096x4096 fp32 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items()))
             del w, dy_t, x, st

@@ -2021,7 +2021,9 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         # the launch memo, launch_wgrad_update) and the split kernel's loader reads [BN, BMT] / [BK, BMT] boxes
         if cfg.epi != "split":
             raise ValueError(f"forge: fp32 activations (TF32) run the Gluon 'split' kernel only, got {cfg.epi!r}")
-        dyk, xk = dy_t.contiguous(), x.t().contiguous()
+        from .transpose_copy import transpose_copy
+
+        dyk, xk = transpose_copy(dy_t.t()), transpose_copy(x)
         dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
         x_desc = TensorDescriptor(xk, [k, m], [m, 1], [cfg.bk, cfg.bmt], b_l)
     else:
@@ -2106,11 +2108,13 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
     if x.dtype == torch.float32:
         # fp32 under TF32: every launch copies dY and X K-major first (_prepare), so the callable does too (into
         # the copies its descriptors address) -- timing the kernel alone would leave that traffic out
+        from .transpose_copy import transpose_copy
+
         dyk, xk = args[0].base, args[1].base
 
         def run():
-            dyk.copy_(dy_t)
-            xk.copy_(x.t())
+            transpose_copy(dy_t.t(), dyk)
+            transpose_copy(x, xk)
             kernel[grid](*args, **opts)
         return run
     return lambda: kernel[grid](*args, **opts)

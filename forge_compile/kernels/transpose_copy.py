@@ -1,0 +1,50 @@
+"""A transposing copy: ``dst = src.t().contiguous()`` for a row-major 2-D ``src``, tiled through shared memory.
+
+Why: fp32 activations under TF32 reach the Gluon split kernel as K-major copies of dY and X (tf32 wgmma takes only
+K-major operands; wgrad_update_gluon._prepare), made at every launch. torch's transposing copy reads or writes
+with a stride, one side uncoalesced: on an H100 it moved the two [M, 4096] fp32 copies at ~1 TB/s (0.143 ms at
+M=2048, 0.559 ms at M=8192: 30-40 % of the fused launch), this tile-wise transpose (each [64, 64] tile loaded
+coalesced along the source rows, transposed in registers/shared memory by Triton, stored coalesced along the
+destination rows) at ~2.9 TB/s (0.053 / 0.188 ms; benchmarks/RESULTS.md "fp32 activations under TF32 on the Gluon
+kernel").
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["transpose_copy"]
+
+_TILE = 64
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    if BIG:   # R * C may pass 2^31 elements
+        rr = rr.to(tl.int64)
+        cc = cc.to(tl.int64)
+    tile = tl.load(src_ptr + rr[:, None] * C + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
+    tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < C) & (rr[None, :] < R))
+
+
+def transpose_copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src.t()`` as a new contiguous tensor (or written into ``out``, contiguous [C, R] of src's dtype and
+    device). ``src`` row-major [R, C] on a GPU (or on CPU under TRITON_INTERPRET=1); any other layout takes torch's
+    copy, which is right for every layout, just slower."""
+    r, c = src.shape
+    if out is None:
+        out = torch.empty((c, r), dtype=src.dtype, device=src.device)
+    elif out.shape != (c, r) or out.dtype != src.dtype or out.device != src.device or not out.is_contiguous():
+        raise ValueError(f"transpose_copy: out must be a contiguous [{c}, {r}] {src.dtype} tensor on {src.device}")
+    if not src.is_contiguous() or src.numel() == 0 or (not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+        return out.copy_(src.t())
+    grid = (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))
+    # element offsets up to the last tile's padded end, on either side
+    big = max(grid[0] * _TILE * c, grid[1] * _TILE * r) >= 2 ** 31
+    _transpose_kernel[grid](src, out, r, c, BR=_TILE, BC=_TILE, BIG=big, num_warps=4)
+    return out
