@@ -484,8 +484,9 @@ def _warn_tf32_once() -> None:
     # the fused step is exact but SLOW in this regime; users choosing TF32 chose speed, so say it once
     if not _TF32_WARNED:
         _TF32_WARNED.append(True)
-        log.warning("forge: fp32 activations with TF32 allowed: the fused wgrad+update runs its GEMM at TF32-or-"
-                    "better precision (bf16x3) as torch's 'high' allows, but measured 0.40-0.58x of cuBLAS TF32 + "
+        log.warning("forge: fp32 activations with TF32 allowed, on the Triton kernel (the Gluon TF32 path needs "
+                    "sm_90, M a multiple of 4 and FORGE_GLUON_TF32 not 0): its GEMM runs at TF32-or-better "
+                    "precision (bf16x3) as torch's 'high' allows, but measured 0.40-0.58x of cuBLAS TF32 + "
                     "torch's fused AdamW on the H200 (4096x4096, benchmarks/RESULTS.md); bf16 autocast is the "
                     "regime where fusion is faster")
 
