@@ -153,7 +153,7 @@ def _gdc_wait():
 def _gemm_loader(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k,
                  GROUP: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     if KMAJOR:
-        # fp32 activations under TF32 (kmajor_operands): the descriptors are over dY^T [N, M] and X^T [K, M] copies,
+        # fp32 activations under TF32 (_prepare): the descriptors are over dY^T [N, M] and X^T [K, M] copies,
         # tokens contiguous -- tf32 wgmma takes only K-major operands, and TMA cannot transpose 4-byte elements
         BMT: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = dy_desc.block_type.shape[0]
