@@ -418,9 +418,9 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
 
 def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
     """A report note when fused weight-gradient GEMMs on CUDA take fp32 operands (no autocast): exact, dW never
-    allocated, but the regime where the fused kernel is at best a little faster (and at large token counts, or
-    off Hopper under TF32, slower) than cuBLAS + torch's fused optimizer -- a user who picked forge for speed
-    should hear it from the report, not a profiler."""
+    allocated, but the regime where the fused step gains less than under autocast (and in IEEE fp32 at large
+    token counts, or off Hopper under TF32, loses) against cuBLAS + torch's fused optimizer -- a user who picked
+    forge for speed should hear it from the report, not a profiler."""
     def val(node):
         # the operands _insert_wgrad_update transposed have no meta of their own
         while isinstance(node, fx.Node) and "val" not in node.meta and node.target is aten.t.default:
@@ -438,9 +438,9 @@ def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
     counters["fp32_activation_gemms"] += n
     return (f"fp32 activations: {n} fused weight-gradient GEMMs take fp32 operands -- exact, and their dW is never "
             "allocated, but bf16/fp16 autocast is the fast regime: per 4096x4096 AdamW kernel vs cuBLAS + torch's "
-            "fused AdamW, IEEE fp32 (torch's default) 0.92-1.45x at 256-8192 tokens; under TF32 "
-            "(set_float32_matmul_precision('high')) on Hopper 1.26x at 256 tokens down to 0.87x at 8192 (H100), "
-            "elsewhere 0.40-0.58x; end to end an fp32 TF32 step measured 0.97x (benchmarks/RESULTS.md)")
+            "fused AdamW, IEEE fp32 (torch's default) 0.92-1.44x at 256-8192 tokens; under TF32 "
+            "(set_float32_matmul_precision('high')) on Hopper 1.20-1.45x (H100), elsewhere 0.40-0.58x; end to end "
+            "an fp32 TF32 step measured 1.08-1.09x, the bf16 autocast one 1.17-1.20x (benchmarks/RESULTS.md)")
 
 
 def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node) -> None:
