@@ -993,14 +993,14 @@ def tf32_sweep(args, log):
     all_ok, rows = True, []
     old = torch.backends.cuda.matmul.allow_tf32
     try:
-        for m in TF32_MS:
-            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.float32, 4096, 4096, m, seed=m)
+        for n, k, m in [(n, k, m) for n, k in args.tf32_shapes for m in TF32_MS]:
+            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.float32, n, k, m, seed=m)
             t = {}
             for mode in ("ieee", "tf32"):
                 torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
                 t[f"unfused/{mode}"] = bench(make_unfused("adamw", rule, w, dy_t, x, st, hp)[0])
-                pick = wt.pick_config(4096, 4096, m, False, True, mode == "tf32")
-                others = wt.tune_candidates(4096, 4096, m, True, True) if mode == "tf32" else TF32_IEEE_CANDIDATES
+                pick = wt.pick_config(n, k, m, False, True, mode == "tf32")
+                others = wt.tune_candidates(n, k, m, True, True) if mode == "tf32" else TF32_IEEE_CANDIDATES
                 # the Triton configs other than the pick were measured (RESULTS.md, 2026-12-05): --tf32-all re-times
                 names = [pick] + ([c for c in others if c != pick] if args.tf32_all else [])
                 for c in names:
@@ -1040,16 +1040,16 @@ def tf32_sweep(args, log):
                         all_ok = False
                         log(f"CHECK FAILED: transpose_copy M={m}")
                     t["torch_copies/tf32"] = bench(lambda: (dy_t.contiguous(), x.t().contiguous()))
-            rows.append((m, t))
-            log(f"AdamW 4096x4096 fp32 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items()))
+            rows.append((f"{n}x{k} {m}", t))
+            log(f"AdamW {n}x{k} fp32 M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
             del w, dy_t, x, st
             torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     keys = list(dict.fromkeys(k for _, t in rows for k in t))
-    log("\n" + f"{'M':>6} " + " ".join(f"{k:>18}" for k in keys))
+    log("\n" + f"{'shape M':>16} " + " ".join(f"{k:>18}" for k in keys))
     for m, t in rows:
-        log(f"{m:>6} " + " ".join(f"{t[k]:>18.4f}" if k in t else f"{'-':>18}" for k in keys))
+        log(f"{m:>16} " + " ".join(f"{t[k]:>18.4f}" if k in t else f"{'-':>18}" for k in keys))
     return all_ok
 
 
@@ -1183,6 +1183,9 @@ def overlap_sweep(args, log):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tf32-shapes", default="4096x4096",
+                    type=lambda v: [tuple(int(d) for d in s.split("x")) for s in v.split(",")],
+                    help="--cases tf32: weight shapes NxK, comma-separated (e.g. 4096x4096,14336x4096,4096x14336)")
     ap.add_argument("--tf32-all", action="store_true",
                     help="--cases tf32: also the Triton configs other than the pick (measured 2026-12-05)")
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
