@@ -28,6 +28,9 @@ def test_interpreter_transpose_copy(interpret, shape):
     buf = torch.full((shape[1], shape[0]), float("nan"))
     assert transpose_copy(src, buf) is buf and torch.equal(buf, src.t())
     assert torch.equal(transpose_copy(src.t().contiguous().t()), src.t())
+    # a column slab of a row-major tensor (row stride > columns): the tiled path, as for a row slab of dY^T
+    wide = torch.randn(shape[0], shape[1] + 37)
+    assert torch.equal(transpose_copy(wide[:, 5:5 + shape[1]]), wide[:, 5:5 + shape[1]].t())
 
 
 def test_out_is_checked():
@@ -40,3 +43,5 @@ def test_out_is_checked():
 def test_cuda_transpose_copy(shape):
     src = torch.randn(*shape, device="cuda")
     assert torch.equal(transpose_copy(src), src.t())
+    wide = torch.randn(shape[0], shape[1] + 37, device="cuda")
+    assert torch.equal(transpose_copy(wide[:, 5:5 + shape[1]]), wide[:, 5:5 + shape[1]].t())

@@ -243,3 +243,68 @@ def test_tf32_launches_repeat_without_the_memo(monkeypatch):
     torch.cuda.synchronize()
     assert launch_memo.counters["hit"] == 0
     assert torch.equal(w, w_e) and all(torch.equal(a, b) for a, b in zip(st, st_e))
+
+
+# ---- row slabs: the dY^T copy bounded (TF32_SLAB_BYTES) ------------------------------------------------------
+
+
+def test_tf32_slabs_cover_the_rows(monkeypatch):
+    monkeypatch.setattr(wg, "TF32_SLAB_BYTES", 128 * 32 * 4)
+    x = torch.zeros(32, 64)
+    assert wg.tf32_slabs(128, x) is None                     # one tile of rows fits: one launch
+    assert wg.tf32_slabs(300, x) == [(0, 128), (128, 256), (256, 300)]
+    monkeypatch.undo()
+    # the 128256x4096 lm_head at 8192 tokens: 4.2 GB of dY^T, in 4 slabs of 32768 rows (1 GiB each)
+    slabs = wg.tf32_slabs(128256, torch.empty(8192, 1, device="meta"))
+    assert slabs[0] == (0, 32768) and slabs[-1] == (98304, 128256) and len(slabs) == 4
+    assert wg.tf32_slabs(4096, torch.empty(8192, 1, device="meta")) is None   # 128 MB: one launch
+    assert wg.tf32_slabs(32000, torch.empty(2048, 1, device="meta")) is None  # e2e preset's lm_head, 262 MB
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgdm"])
+def test_tf32_slab_launches_update_every_row_once(fake_sm90, monkeypatch, name):
+    # the slab loop's bookkeeping on CPU: the kernel launch replaced by the rule applied to the slab it was given
+    # (dW from integer-valued operands: exact in fp32 whatever the summation order), so the whole update must equal
+    # one update of the whole weight -- every row once, scalar states (AdamW's step) advanced once
+    monkeypatch.setattr(wg, "TF32_SLAB_BYTES", 128 * 32 * 4)
+    rule = RULES[name]
+    gen = torch.Generator().manual_seed(0)
+    w, _, _, st, hp = _make(rule, 300, 64, 32)
+    dy_t = torch.randint(-3, 4, (32, 300), generator=gen).float().t()
+    x = torch.randint(-3, 4, (32, 64), generator=gen).float()
+    w_ref, st_ref = w.clone(), [s.clone() for s in st]
+    with torch.no_grad():
+        rule.apply(w_ref, dy_t @ x, st_ref, hp)
+    real_prepare, seen = wg._prepare, []
+
+    def fake_prepare(weight, dy_s, x_, states, hparams, rule_, side_out=None, **kw):
+        kw["max_ctas"] = kw.get("max_ctas") or 4   # no GPU to count SMs on
+        out = real_prepare(weight, dy_s, x_, states, hparams, rule_, side_out, **kw)
+        assert kw.get("xk") is not None and torch.equal(out[2][1].base, x_.t())   # X^T made once, shared
+        seen.append(weight.shape[0])
+
+        class _K:
+            def __getitem__(self, grid):
+                def run(*a, **k):
+                    full = [s.clone() if s.dim() == 0 else s for s in states]   # the kernel never advances them
+                    with torch.no_grad():
+                        rule_.apply(weight, dy_s @ x_, full, hparams)
+                return run
+        return (_K(),) + tuple(out[1:])
+
+    monkeypatch.setattr(wg, "_prepare", fake_prepare)
+    with _tf32(True):
+        wg.launch(w, dy_t, x, st, hp, rule)
+    assert seen == [128, 128, 44]
+    assert torch.equal(w, w_ref)
+    for a, b in zip(st, st_ref):
+        assert torch.equal(a, b)
+
+
+@sm90
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_tf32_slabs_exact(monkeypatch, name):
+    # several slabs on the GPU (a small slab budget): as exact as one launch, every row written
+    monkeypatch.setattr(wg, "TF32_SLAB_BYTES", 256 * 1024 * 4)
+    assert len(wg.tf32_slabs(1000, torch.empty(1024, 1))) == 4
+    _check(RULES[name], 1000, 776, 1024)

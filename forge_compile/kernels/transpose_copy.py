@@ -22,29 +22,32 @@ _TILE = 64
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+def _transpose_kernel(src_ptr, dst_ptr, R, C, LD, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
     rr = tl.program_id(0) * BR + tl.arange(0, BR)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
-    if BIG:   # R * C may pass 2^31 elements
+    if BIG:   # offsets may pass 2^31 elements
         rr = rr.to(tl.int64)
         cc = cc.to(tl.int64)
-    tile = tl.load(src_ptr + rr[:, None] * C + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
+    tile = tl.load(src_ptr + rr[:, None] * LD + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
     tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < C) & (rr[None, :] < R))
 
 
 def transpose_copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``src.t()`` as a new contiguous tensor (or written into ``out``, contiguous [C, R] of src's dtype and
-    device). ``src`` row-major [R, C] on a GPU (or on CPU under TRITON_INTERPRET=1); any other layout takes torch's
-    copy, which is right for every layout, just slower."""
+    device). ``src`` [R, C] with unit column stride (row-major, or a column slab of a row-major tensor) on a GPU
+    (or on CPU under TRITON_INTERPRET=1); any other layout takes torch's copy, which is right for every layout,
+    just slower."""
     r, c = src.shape
     if out is None:
         out = torch.empty((c, r), dtype=src.dtype, device=src.device)
     elif out.shape != (c, r) or out.dtype != src.dtype or out.device != src.device or not out.is_contiguous():
         raise ValueError(f"transpose_copy: out must be a contiguous [{c}, {r}] {src.dtype} tensor on {src.device}")
-    if not src.is_contiguous() or src.numel() == 0 or (not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+    ld = src.stride(0)
+    if (src.numel() == 0 or (c > 1 and src.stride(1) != 1) or ld < c
+            or (not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")):
         return out.copy_(src.t())
     grid = (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))
     # element offsets up to the last tile's padded end, on either side
-    big = max(grid[0] * _TILE * c, grid[1] * _TILE * r) >= 2 ** 31
-    _transpose_kernel[grid](src, out, r, c, BR=_TILE, BC=_TILE, BIG=big, num_warps=4)
+    big = max(grid[0] * _TILE * ld, grid[1] * _TILE * r) >= 2 ** 31
+    _transpose_kernel[grid](src, out, r, c, ld, BR=_TILE, BC=_TILE, BIG=big, num_warps=4)
     return out

@@ -1985,7 +1985,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-             max_ctas: int | None = None, table=None, extra=None):
+             max_ctas: int | None = None, table=None, extra=None, xk=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .wgrad_update_triton import check_table, host_scalars
@@ -2023,7 +2023,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
             raise ValueError(f"forge: fp32 activations (TF32) run the Gluon 'split' kernel only, got {cfg.epi!r}")
         from .transpose_copy import transpose_copy
 
-        dyk, xk = transpose_copy(dy_t.t()), transpose_copy(x)
+        # xk: X's copy made once for several row slabs of one update (launch)
+        dyk, xk = transpose_copy(dy_t.t()), (transpose_copy(x) if xk is None else xk)
         dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
         x_desc = TensorDescriptor(xk, [k, m], [m, 1], [cfg.bk, cfg.bmt], b_l)
     else:
@@ -2090,10 +2091,53 @@ def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, confi
            max_ctas: int | None = None, table=None, extra=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
     ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` and ``extra`` as
-    in wgrad_update_triton.launch_wgrad_update."""
+    in wgrad_update_triton.launch_wgrad_update. fp32 activations (TF32) whose dY^T copy would pass TF32_SLAB_BYTES
+    are updated in row slabs, one launch each (``tf32_slabs``)."""
+    slabs = tf32_slabs(weight.shape[0], x) if x.dtype == torch.float32 else None
+    if slabs is not None and len(slabs) > 1:
+        _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule, side_out, config, max_ctas, table)
+        return
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table, extra=extra)
     kernel[grid](*args, **opts)
+    with torch.no_grad():
+        for s, new in zip(scalar_states, new_scalar_states):
+            s.fill_(new)
+
+
+# fp32 (TF32) launches copy dY transposed ([N, M] fp32) right when the backward's activations peak (the lm_head's
+# update comes first): above this many bytes the update runs in row slabs whose copies stay under it (X^T is copied
+# once and shared). 128256x4096 lm_head at 8192 tokens: 4.2 GB of dY^T otherwise. 1 GiB: only such extreme shapes
+# take slabs while the slab path has not run on a GPU (its CPU test checks the bookkeeping; GPU test
+# tests/test_wgrad_update_tf32.py::test_tf32_slabs_exact, not run yet)
+TF32_SLAB_BYTES = 1024 * 1024 * 1024
+
+
+def tf32_slabs(n: int, x) -> list[tuple[int, int]] | None:
+    """Row ranges [r0, r1) of an fp32 (TF32) update whose dY^T copies stay within TF32_SLAB_BYTES (multiples of
+    the 128-row tile; at least one tile), or None for one launch."""
+    m = x.shape[0]
+    if n * m * 4 <= TF32_SLAB_BYTES:
+        return None
+    rows = max(128, TF32_SLAB_BYTES // (m * 4) // 128 * 128)
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
+def _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule: Rule, side_out, config, max_ctas, table):
+    # one launch per row slab (weight, tensor states, side output and dY rows r0:r1 are views; X^T copied once),
+    # the host scalars computed once and the scalar states advanced once, after the last slab, as one launch does
+    from .transpose_copy import transpose_copy
+
+    xk = transpose_copy(x)
+    # with a scalar table ``states`` are the tensor states alone (split_states)
+    scalar = [table is None and rule.is_scalar_state(i) for i in range(len(states))]
+    scalar_states = new_scalar_states = ()
+    for r0, r1 in slabs:
+        sl = [st if sc else st[r0:r1] for st, sc in zip(states, scalar)]
+        kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
+            weight[r0:r1], dy_t[r0:r1], x, sl, hparams, rule, None if side_out is None else side_out[r0:r1],
+            config=config, max_ctas=max_ctas, table=table, xk=xk)
+        kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
             s.fill_(new)
