@@ -978,7 +978,7 @@ TF32_IEEE_CANDIDATES = ("f128x128", "f64x128")   # larger FMA tiles than the IEE
 
 
 def tf32_sweep(args, log):
-    """AdamW 4096x4096 with fp32 activations, one process: under torch.set_float32_matmul_precision("high") (TF32
+    """AdamW 4096x4096 (--tf32-rules, --tf32-shapes: others) with fp32 activations, one process: under torch.set_float32_matmul_precision("high") (TF32
     allowed for fp32 matmuls) the unfused step's wgrad is cuBLAS in TF32, and forge's dot follows it
     (wgrad_update_triton.fp32_dot_precision); with TF32 off (torch's default) both are IEEE fp32. Times the unfused
     step and the fused kernel's pick (and the other TF32 configs) in both modes. Checks before timing: W/states
@@ -993,12 +993,13 @@ def tf32_sweep(args, log):
     all_ok, rows = True, []
     old = torch.backends.cuda.matmul.allow_tf32
     try:
-        for n, k, m in [(n, k, m) for n, k in args.tf32_shapes for m in TF32_MS]:
-            rule, w, dy_t, x, st, hp = make_inputs("adamw", torch.float32, n, k, m, seed=m)
+        for kind, n, k, m in [(r, n, k, m) for r in args.tf32_rules.split(",") for n, k in args.tf32_shapes
+                              for m in TF32_MS]:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.float32, n, k, m, seed=m)
             t = {}
             for mode in ("ieee", "tf32"):
                 torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-                t[f"unfused/{mode}"] = bench(make_unfused("adamw", rule, w, dy_t, x, st, hp)[0])
+                t[f"unfused/{mode}"] = bench(make_unfused(kind, rule, w, dy_t, x, st, hp)[0])
                 pick = wt.pick_config(n, k, m, False, True, mode == "tf32")
                 others = wt.tune_candidates(n, k, m, True, True) if mode == "tf32" else TF32_IEEE_CANDIDATES
                 # the Triton configs other than the pick were measured (RESULTS.md, 2026-12-05): --tf32-all re-times
@@ -1040,16 +1041,16 @@ def tf32_sweep(args, log):
                         all_ok = False
                         log(f"CHECK FAILED: transpose_copy M={m}")
                     t["torch_copies/tf32"] = bench(lambda: (dy_t.contiguous(), x.t().contiguous()))
-            rows.append((f"{n}x{k} {m}", t))
-            log(f"AdamW {n}x{k} fp32 M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
+            rows.append((f"{kind} {n}x{k} {m}", t))
+            log(f"{kind} {n}x{k} fp32 M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
             del w, dy_t, x, st
             torch.cuda.empty_cache()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     keys = list(dict.fromkeys(k for _, t in rows for k in t))
-    log("\n" + f"{'shape M':>16} " + " ".join(f"{k:>18}" for k in keys))
+    log("\n" + f"{'rule shape M':>22} " + " ".join(f"{k:>18}" for k in keys))
     for m, t in rows:
-        log(f"{m:>16} " + " ".join(f"{t[k]:>18.4f}" if k in t else f"{'-':>18}" for k in keys))
+        log(f"{m:>22} " + " ".join(f"{t[k]:>18.4f}" if k in t else f"{'-':>18}" for k in keys))
     return all_ok
 
 
@@ -1186,6 +1187,7 @@ def main():
     ap.add_argument("--tf32-shapes", default="4096x4096",
                     type=lambda v: [tuple(int(d) for d in s.split("x")) for s in v.split(",")],
                     help="--cases tf32: weight shapes NxK, comma-separated (e.g. 4096x4096,14336x4096,4096x14336)")
+    ap.add_argument("--tf32-rules", default="adamw", help="--cases tf32: rules (adamw, sgdm, lion), comma-separated")
     ap.add_argument("--tf32-all", action="store_true",
                     help="--cases tf32: also the Triton configs other than the pick (measured 2026-12-05)")
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
