@@ -7,7 +7,6 @@ and farther than an IEEE dot's ~1e-6 (asserted > 1e-5: TF32 really ran, as torch
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from matmul_precision import tf32 as _tf32  # noqa: E402
 from forge_compile.kernels import launch_memo  # noqa: E402
 from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_group as gr  # noqa: E402
@@ -24,16 +24,6 @@ from forge_compile.optim import rules as R  # noqa: E402
 RULES = {"adamw": R.adamw_rule(), "sgdm": R.sgd_rule(momentum=True), "lion": R.lion_rule()}
 _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.9,
        "dampening": 0.1}
-
-
-@contextlib.contextmanager
-def _tf32(on: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = on
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def _make(rule, n, k, m, device="cpu", seed=1):

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from interpreter import run_child  # noqa: E402
+from matmul_precision import tf32 as _tf32  # noqa: E402
 from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
@@ -273,16 +274,6 @@ def test_cuda_every_config_exact(rule, config, shape):
 @pytest.mark.parametrize("config", [None, "t64m128", "t128e4"])
 def test_cuda_fp32_activations_exact(config):
     _check_exact(ADAMW, 1000, 777, 333, torch.float32, "cuda", config=config)
-
-
-@contextlib.contextmanager
-def _tf32(on: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = on
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 # ---- fp32 activations follow torch's fp32 matmul precision (TF32 or IEEE), as the unfused cuBLAS wgrad does ----

@@ -69,7 +69,7 @@ import torch
 
 from ..optim.rule import Rule
 from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module, scalar_fields
-from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, side_mode, split_states
+from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, fp32_dot_precision, side_mode, split_states
 
 log = logging.getLogger(__name__)
 # launches prepared as programmatic dependents ("pdl_prepared"; a remembered launch is prepared once)
@@ -1914,8 +1914,6 @@ def tf32_reason(dy_t, x, extra=None) -> str | None:
     """None when fp32 activations can take the Gluon kernel: TF32 allowed for fp32 matmuls (the precision torch.mm
     takes there; IEEE stays on the Triton kernel's FMA dot), M a multiple of 4 (16-byte rows of the [N, M] / [K, M]
     copies' TMA descriptors), no tied embedding's rows (not built for this path)."""
-    from .wgrad_update_triton import fp32_dot_precision
-
     if fp32_dot_precision(dy_t, x) != "tf32":
         return "fp32 activations without TF32: the IEEE fp32 GEMM (Triton kernel)"
     if not tf32_enabled():
