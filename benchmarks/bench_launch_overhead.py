@@ -12,6 +12,8 @@ only while the host part is the slower one. Rows, each adding one layer above th
   op      - ``torch.ops.forge.wgrad_update_`` (what Inductor's compiled backward calls): dispatcher + impl
   op_cycle - the op over --layers layers of their own tensors in turn, as a backward launches them (cold caches);
             op_cycle_no_direct: the same with launch_memo.DIRECT off (memo hits through ``CompiledKernel[grid]``)
+  *_tf32  - fp32 activations under TF32 (the Gluon kernel on K-major copies): copies_tf32 = the two copies alone,
+            op_tf32_full = the op with the memo off, op_tf32 / op_cycle_tf32 as op / op_cycle
 and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
 Results: stdout and DIR/launch_overhead.json.
 """
@@ -48,6 +50,42 @@ def per_call_us(fn, calls, reset):
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t) / calls * 1e6)
     return best
+
+
+def tf32_rows(a, rule, n, k, m) -> dict:
+    op = torch.ops.forge.wgrad_update_.default
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        _, w, dy_t, x, states, hp = make_inputs("adamw", torch.float32, n, k, m)
+        if not wg.use_gluon(w, dy_t, x, states, rule):
+            return {}
+        step = states[0]
+
+        def reset():
+            step.fill_(10.0)
+
+        rows = {"copies_tf32": per_call_us(lambda: wg.kmajor_copies(dy_t, x), a.calls, lambda: None)}
+        launch_memo.ENABLED[0] = False
+        rows["op_tf32_full"] = per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset)
+        launch_memo.ENABLED[0] = True
+        rows["op_tf32"] = per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset)
+        layers = [make_inputs("adamw", torch.float32, n, k, m)[1:] for _ in range(a.layers)]
+        turn = [0]
+
+        def cycle():
+            lw, ldy, lx, lst, lhp = layers[turn[0]]
+            turn[0] = (turn[0] + 1) % len(layers)
+            op(lw, ldy, lx, lst, lhp, rule.name)
+
+        def reset_all():
+            layers[turn[0]][3][0].fill_(10.0)
+
+        rows["op_cycle_tf32"] = per_call_us(cycle, a.calls, reset_all)
+        return rows
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+        launch_memo.ENABLED[0] = True
 
 
 def main():
@@ -103,6 +141,9 @@ def main():
     launch_memo.clear()
     rows["op_cycle_no_direct"] = per_call_us(cycle, a.calls, reset_all)
     launch_memo.DIRECT[0] = True
+    # fp32 activations under TF32 (the Gluon kernel on K-major copies of dY and X, made before the memo lookup,
+    # whose addresses join the key): the op with the same tensors, memo on and off, and the 57-layer cycle
+    rows.update(tf32_rows(a, rule, n, k, m))
     unfused, _ = make_unfused("adamw", rule, w, dy_t, x, states, hp)
     rows["unfused"] = per_call_us(unfused, a.calls, lambda: None)
     import triton

@@ -45,3 +45,23 @@ def test_cuda_transpose_copy(shape):
     assert torch.equal(transpose_copy(src), src.t())
     wide = torch.randn(shape[0], shape[1] + 37, device="cuda")
     assert torch.equal(transpose_copy(wide[:, 5:5 + shape[1]]), wide[:, 5:5 + shape[1]].t())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_transpose_copy_through_the_launch_memo(monkeypatch):
+    # repeated copies between the same buffers (a step's, new values each time) go through launch_memo's fast path
+    # from the second repeat on; a copy of another shape or into another buffer is its own key
+    from forge_compile.kernels import launch_memo
+
+    monkeypatch.setattr(launch_memo, "ENABLED", [True])
+    launch_memo.clear()
+    src = torch.empty(300, 200, device="cuda")
+    out = torch.empty(200, 300, device="cuda")
+    for _ in range(4):
+        src.copy_(torch.randn_like(src))
+        out.fill_(float("nan"))
+        assert transpose_copy(src, out) is out and torch.equal(out, src.t())
+    assert launch_memo.counters["hit"] == 2 and launch_memo.counters["built"] == 1
+    assert torch.equal(transpose_copy(src, torch.empty(200, 300, device="cuda")), src.t())
+    wide = torch.randn(300, 256, device="cuda")
+    assert torch.equal(transpose_copy(wide[:, :200]), wide[:, :200].t())

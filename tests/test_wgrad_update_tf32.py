@@ -134,11 +134,15 @@ def test_launch_memo_kind_has_the_tf32_switch(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     rule = RULES["sgdm"]
     w, dy_t, x, st, hp = _make(rule, 64, 64, 32)
+    # the K-major copies are made before the lookup (their own launches memoized too): no copy runs here
+    monkeypatch.setattr(wg, "kmajor_copies", lambda dy_t, x: (torch.empty(dy_t.shape), torch.empty(x.t().shape)))
     with _tf32(True):
         for v in ("1", "0"):
             monkeypatch.setenv(wg.TF32_ENV, v)
             wt.launch_wgrad_update(w, dy_t, x, st, hp, rule)
     assert len(keys) == 2 and keys[0] != keys[1]
+    # with the switch on, the key has the copies' addresses (a remembered launch's descriptors address them)
+    assert len(keys[0]) == 3 and keys[0][0][0][-1] is True and keys[1][0][-1] is False
 
 
 # ---- sm_90 GPU ----------------------------------------------------------------------------------------------
@@ -212,9 +216,12 @@ def test_tf32_op_path_takes_gluon_and_matches_reference(monkeypatch):
 
 
 @sm90
-def test_tf32_launches_repeat_without_the_memo(monkeypatch):
-    # the K-major copies are new at every launch: repeated launches (which would hit the memo for bf16) must keep
-    # taking the full path and stay right after the copies' memory is reused by other tensors
+@pytest.mark.parametrize("junk", [False, True])
+def test_tf32_launches_through_the_memo(monkeypatch, junk):
+    # the K-major copies are made before the memo lookup and their addresses are part of the key: step after step
+    # (new dY / X values in the same buffers, as a compiled step's) the copies land where they did and the
+    # remembered launch runs; with other tensors taking the freed copies' blocks (junk) the copies land elsewhere,
+    # the key differs and the full path runs -- right either way
     from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
 
     monkeypatch.setattr(launch_memo, "ENABLED", [True])
@@ -222,16 +229,50 @@ def test_tf32_launches_repeat_without_the_memo(monkeypatch):
     rule = RULES["sgdm"]
     w, dy_t, x, st, hp = _make(rule, 512, 512, 256, "cuda", seed=3)
     w_e, st_e = w.clone(), [s.clone() for s in st]
+    grad = torch.empty_like(w)
+    keep = []
     with _tf32(True):
-        for i in range(3):
-            grad = torch.full_like(w, float("nan"))
+        for i in range(5):
+            dy_t.copy_(torch.randn_like(dy_t))
+            x.copy_(torch.randn_like(x))
+            grad.fill_(float("nan"))   # poisoned: the launch must write every element of this step's dW
             launch_wgrad_update(w, dy_t, x, st, hp, rule, side_out=grad)
-            junk = torch.randn(512 * 256 * 2, device="cuda")   # takes the freed copies' blocks
+            if junk:
+                keep.append(torch.randn(512 * 256 * 2, device="cuda"))   # takes the freed copies' blocks
             with torch.no_grad():
                 rule.apply(w_e, grad, st_e, hp)
-            del junk
+            ref = dy_t.double() @ x.double()
+            assert ((grad.double() - ref).norm() / ref.norm()).item() < 5e-3, i
     torch.cuda.synchronize()
-    assert launch_memo.counters["hit"] == 0
+    assert torch.equal(w, w_e) and all(torch.equal(a, b) for a, b in zip(st, st_e))
+    if not junk:   # two full launches (the entry is built at the second sighting), then hits
+        assert launch_memo.counters["hit"] >= 3, dict(launch_memo.counters)
+
+
+@sm90
+def test_tf32_unused_copies_are_not_made_again(monkeypatch):
+    # Gluon refuses the launch (here: forced) after the copies were made for it: the Triton kernel runs, and the
+    # key is marked so that the next launches skip the copies
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
+
+    monkeypatch.setattr(launch_memo, "ENABLED", [True])
+    launch_memo.clear()
+    monkeypatch.setattr(wg, "gluon_reason", lambda *a, **k: "forced by the test")
+    made = []
+    real = wg.kmajor_copies
+    monkeypatch.setattr(wg, "kmajor_copies", lambda *a: (made.append(1), real(*a))[1])
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 256, 256, 128, "cuda", seed=4)
+    w_e, st_e = w.clone(), [s.clone() for s in st]
+    grad = torch.empty_like(w)
+    with _tf32(True):
+        for _ in range(3):
+            grad.fill_(float("nan"))
+            launch_wgrad_update(w, dy_t, x, st, hp, rule, side_out=grad)
+            with torch.no_grad():
+                rule.apply(w_e, grad, st_e, hp)
+    torch.cuda.synchronize()
+    assert len(made) == 1
     assert torch.equal(w, w_e) and all(torch.equal(a, b) for a, b in zip(st, st_e))
 
 
@@ -298,3 +339,41 @@ def test_tf32_slabs_exact(monkeypatch, name):
     monkeypatch.setattr(wg, "TF32_SLAB_BYTES", 256 * 1024 * 4)
     assert len(wg.tf32_slabs(1000, torch.empty(1024, 1))) == 4
     _check(RULES[name], 1000, 776, 1024)
+
+
+@sm90
+def test_tf32_compiled_step_memo_on_equals_off(monkeypatch):
+    # a compiled train step (fp32 activations under TF32, every linear on the Gluon kernel) over several steps: with
+    # the launch memo (copies made before the lookup, remembered launches from the second step on) bitwise the
+    # same parameters as with the memo off (every launch on the full path)
+    import copy
+
+    import forge_compile as forge
+
+    torch.manual_seed(0)
+    model0 = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.GELU(),
+                                 torch.nn.Linear(512, 256, bias=False)).cuda()
+    data = [(torch.randn(4, 64, 256, device="cuda"), torch.randn(4, 64, 256, device="cuda")) for _ in range(5)]
+    results = []
+    for memo in (True, False):
+        monkeypatch.setattr(launch_memo, "ENABLED", [memo])
+        launch_memo.clear()
+        model = copy.deepcopy(model0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        @forge.compile_train_step
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            return loss
+
+        with _tf32(True):
+            for x, y in data:
+                step(x, y)
+        torch.cuda.synchronize()
+        assert len(step.last_report.fused) == 2
+        if memo:
+            assert launch_memo.counters["hit"] >= 2, dict(launch_memo.counters)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -40,7 +40,8 @@ from .. import _compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_key", "lookup", "remember", "counters", "clear", "ENABLED", "DIRECT", "LAST_ERROR"]
+__all__ = ["launch_key", "lookup", "remember", "unused", "mark_unused", "counters", "clear", "ENABLED", "DIRECT",
+           "LAST_ERROR"]
 
 # On unless FORGE_LAUNCH_MEMO=0; also switched off by an unexpected launcher failure. Tests/benchmarks flip it.
 ENABLED = [os.environ.get("FORGE_LAUNCH_MEMO", "1").strip() not in ("0", "false", "off", "no")]
@@ -51,6 +52,9 @@ _CAPACITY = 512
 _LOCK = threading.Lock()
 _ENTRIES: "collections.OrderedDict[tuple, _Entry]" = collections.OrderedDict()
 _SEEN: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+# keys whose launch did not use what its caller prepared before the lookup (launch_wgrad_update's K-major copies
+# of fp32 activations, when the Gluon kernel refused the launch): the caller skips that preparation for them
+_UNUSED: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
 counters: collections.Counter = collections.Counter()
 
 
@@ -211,8 +215,20 @@ def _scalar_pos(args, scalars) -> int | None:
     return None
 
 
+def unused(key: tuple) -> bool:
+    return key in _UNUSED
+
+
+def mark_unused(key: tuple) -> None:
+    with _LOCK:
+        _UNUSED[key] = None
+        if len(_UNUSED) > 4 * _CAPACITY:
+            _UNUSED.popitem(last=False)
+
+
 def clear() -> None:
     with _LOCK:
         _ENTRIES.clear()
         _SEEN.clear()
+        _UNUSED.clear()
     counters.clear()

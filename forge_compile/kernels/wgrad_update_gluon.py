@@ -1983,7 +1983,7 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-             max_ctas: int | None = None, table=None, extra=None, xk=None):
+             max_ctas: int | None = None, table=None, extra=None, xk=None, dyk=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .wgrad_update_triton import check_table, host_scalars
@@ -2021,8 +2021,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
             raise ValueError(f"forge: fp32 activations (TF32) run the Gluon 'split' kernel only, got {cfg.epi!r}")
         from .transpose_copy import transpose_copy
 
-        # xk: X's copy made once for several row slabs of one update (launch)
-        dyk, xk = transpose_copy(dy_t.t()), (transpose_copy(x) if xk is None else xk)
+        # xk: X's copy made once for several row slabs of one update (launch), or both copies made by the caller
+        # (kmajor_copies: the launch memo keys on their addresses)
+        dyk = transpose_copy(dy_t.t()) if dyk is None else dyk
+        xk = transpose_copy(x) if xk is None else xk
         dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
         x_desc = TensorDescriptor(xk, [k, m], [m, 1], [cfg.bk, cfg.bmt], b_l)
     else:
@@ -2086,17 +2088,20 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
 
 
 def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-           max_ctas: int | None = None, table=None, extra=None):
+           max_ctas: int | None = None, table=None, extra=None, kcopies=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
     ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` and ``extra`` as
     in wgrad_update_triton.launch_wgrad_update. fp32 activations (TF32) whose dY^T copy would pass TF32_SLAB_BYTES
-    are updated in row slabs, one launch each (``tf32_slabs``)."""
+    are updated in row slabs, one launch each (``tf32_slabs``); other fp32 launches read ``kcopies`` (the
+    ``kmajor_copies`` of dy_t and x, made by the caller) or copy them here."""
     slabs = tf32_slabs(weight.shape[0], x) if x.dtype == torch.float32 else None
     if slabs is not None and len(slabs) > 1:
         _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule, side_out, config, max_ctas, table)
         return
+    dyk, xk = kcopies if kcopies is not None else (None, None)
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
-        weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table, extra=extra)
+        weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table, extra=extra,
+        xk=xk, dyk=dyk)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
@@ -2119,6 +2124,25 @@ def tf32_slabs(n: int, x) -> list[tuple[int, int]] | None:
         return None
     rows = max(128, TF32_SLAB_BYTES // (m * 4) // 128 * 128)
     return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
+def kcopies_wanted(weight, dy_t, x) -> bool:
+    """Whether a launch that takes the fp32 (TF32) Gluon path can be handed its K-major copies by the caller
+    (``kmajor_copies``): both operands fp32, M a multiple of 4 (tf32_reason), one launch (no row slabs). The
+    caller has checked the TF32 precision and switch (its memo kind); gluon_reason may still refuse the launch
+    (the copies are then wasted once, launch_wgrad_update)."""
+    return (x.dtype == torch.float32 and dy_t.dtype == torch.float32 and x.shape[0] % 4 == 0
+            and tf32_slabs(weight.shape[0], x) is None)
+
+
+def kmajor_copies(dy_t, x) -> tuple:
+    """(dY^T [N, M], X^T [K, M]) contiguous: the operands of the fp32 (TF32) split kernel (_prepare). Made by the
+    caller of ``launch`` so that the launch memo can key on their addresses: a compiled step's allocations repeat,
+    so step after step the copies land where they did and the remembered launch (descriptors over those
+    addresses) is valid for them -- where they land elsewhere the key differs and the full path runs."""
+    from .transpose_copy import transpose_copy
+
+    return transpose_copy(dy_t.t()), transpose_copy(x)
 
 
 def _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule: Rule, side_out, config, max_ctas, table):
@@ -2162,15 +2186,17 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
     return lambda: kernel[grid](*args, **opts)
 
 
-def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None, extra=None) -> bool:
-    """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton."""
+def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None, extra=None,
+               kcopies=None) -> bool:
+    """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton.
+    ``kcopies``: as in ``launch``."""
     why = gluon_reason(weight, dy_t, x, states, rule, side_out, table, extra)
     if why is not None:
         if _mode() == "gluon":
             log.debug("forge: %s=gluon but rule %r goes to the Triton kernel: %s", ENV, rule.name, why)
         return False
     try:
-        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra)
+        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra, kcopies=kcopies)
     except Exception as e:  # build/compile failure (a triton whose Gluon API differs): the launch never ran
         with _LOCK:
             _BROKEN[rule.name] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"

@@ -657,12 +657,20 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
         from . import wgrad_update_gluon as wg
 
         tuned = autotune.enabled()
+        kcopies = base_key = None
         if launch_memo.ENABLED[0] and x.shape[0] > 0:   # M == 0 launches on temporaries (see _prepare)
             # the kind: everything of the kernel choice that is not in the tensors' properties
             kind = (wg._mode(), wg.AUTO_GLUON, rule.name in wg._BROKEN, tuned, table is not None,
                     fp32_dot_precision(dy_t, x), x.dtype == torch.float32 and wg.tf32_enabled())
             memo_states = states if table is None else (*states, table)
             memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, memo_states, side_out)
+            if (kind[-1] and kind[-2] == "tf32" and not launch_memo.unused(memo_key)
+                    and wg.kcopies_wanted(weight, dy_t, x)):
+                # fp32 under TF32 (the Gluon kernel on K-major copies): the copies are made here, before the
+                # lookup, and their addresses join the key -- a remembered launch's descriptors address them.
+                # Without this every such launch took the full path (host-bound end to end: 0.69x, 2026-12-06)
+                kcopies = wg.kmajor_copies(dy_t, x)
+                base_key, memo_key = memo_key, (memo_key, kcopies[0].data_ptr(), kcopies[1].data_ptr())
             if launch_memo.lookup(memo_key, states, hparams):
                 return
         choice = autotune.choose(weight, dy_t, x, states, hparams, rule, side_out, table) if tuned else None
@@ -670,23 +678,32 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
         if choice is not None and choice.family == "gluon":
             gcfg = choice.config
             try:
-                wg.launch(weight, dy_t, x, states, hparams, rule, side_out, config=gcfg, table=table)
+                wg.launch(weight, dy_t, x, states, hparams, rule, side_out, config=gcfg, table=table,
+                          kcopies=kcopies)
                 ran_gluon = True
             except Exception as e:  # a choice from the cache file that does not build here: the untuned path
                 autotune.forget(weight, dy_t, x, states, rule, side_out, why=e, table=table)
                 gcfg = None
-                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
+                ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table,
+                                          kcopies=kcopies)
         elif choice is not None:
             ran_gluon, config = False, choice.config
         else:
-            ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table)
+            ran_gluon = wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table,
+                                      kcopies=kcopies)
         if ran_gluon:
-            # fp32 (TF32) launches read K-major copies made for this launch alone: nothing of them can be replayed
-            if memo_key is not None and x.dtype != torch.float32:
+            # an fp32 (TF32) launch is remembered only with the copies it read (its key has their addresses)
+            if memo_key is not None and (x.dtype != torch.float32 or kcopies is not None):
+                dyk, xk = kcopies if kcopies is not None else (None, None)
                 _remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule, side_out,
-                                                              config=gcfg, table=table),
+                                                              config=gcfg, table=table, xk=xk, dyk=dyk),
                           wg._source_for(rule)[0], states, hparams, table)
             return
+        if kcopies is not None:
+            # the copies were made for nothing (Gluon refused the launch, or the tuned choice is Triton): not again
+            # for this key; the Triton launch below is remembered under the key without copy addresses
+            launch_memo.mark_unused(base_key)
+            memo_key = base_key
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, side_out, config, table, extra)
     kernel[grid](*args, **opts)
