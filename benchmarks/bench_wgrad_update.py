@@ -1035,8 +1035,10 @@ def tf32_sweep(args, log):
                     # torch's), and torch's transposing copy (stop 29's first version: 2.5-3x slower on the H100)
                     from forge_compile.kernels.transpose_copy import transpose_copy
 
-                    if torch.equal(transpose_copy(dy_t.t()), dy_t) and torch.equal(transpose_copy(x), x.t()):
-                        t["copies/tf32"] = bench(lambda: (transpose_copy(dy_t.t()), transpose_copy(x)))
+                    pair = wg.kmajor_copies(dy_t, x)   # one launch (transpose_copy_pair), as launches make them
+                    if (torch.equal(transpose_copy(dy_t.t()), dy_t) and torch.equal(transpose_copy(x), x.t())
+                            and torch.equal(pair[0], dy_t) and torch.equal(pair[1], x.t())):
+                        t["copies/tf32"] = bench(lambda: wg.kmajor_copies(dy_t, x))
                     else:
                         all_ok = False
                         log(f"CHECK FAILED: transpose_copy M={m}")

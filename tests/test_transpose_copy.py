@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from interpreter import run_child  # noqa: E402
 
-from forge_compile.kernels.transpose_copy import transpose_copy  # noqa: E402
+from forge_compile.kernels.transpose_copy import transpose_copy, transpose_copy_pair  # noqa: E402
 
 SHAPES = [(1, 1), (64, 64), (100, 70), (3, 200), (257, 129)]
 
@@ -31,6 +31,27 @@ def test_interpreter_transpose_copy(interpret, shape):
     # a column slab of a row-major tensor (row stride > columns): the tiled path, as for a row slab of dY^T
     wide = torch.randn(shape[0], shape[1] + 37)
     assert torch.equal(transpose_copy(wide[:, 5:5 + shape[1]]), wide[:, 5:5 + shape[1]].t())
+
+
+PAIRS = [(1, 1, 1), (64, 64, 64), (100, 70, 130), (257, 129, 64), (8, 200, 3)]
+
+
+def _pair_check(r, ca, cb, device):
+    # a as dY^T's transpose (row-major [R, CA]), b a column slab (row stride > columns)
+    a = torch.randn(r, ca, device=device)
+    wide = torch.randn(r, cb + 11, device=device)
+    b = wide[:, 3:3 + cb]
+    at, bt = transpose_copy_pair(a, b)
+    assert at.is_contiguous() and bt.is_contiguous() and torch.equal(at, a.t()) and torch.equal(bt, b.t())
+    assert bt.data_ptr() == at.data_ptr() + at.numel() * at.element_size()   # one allocation, b^T after a^T
+    # a pair transpose_copy_pair does not tile (mixed row counts): two copies, still right
+    at2, bt2 = transpose_copy_pair(a, b[:-1] if r > 1 else b)
+    assert torch.equal(at2, a.t()) and torch.equal(bt2, (b[:-1] if r > 1 else b).t())
+
+
+@pytest.mark.parametrize("shape", PAIRS, ids=str)
+def test_interpreter_transpose_copy_pair(interpret, shape):
+    _pair_check(*shape, "cpu")
 
 
 def test_out_is_checked():
@@ -65,3 +86,9 @@ def test_cuda_transpose_copy_through_the_launch_memo(monkeypatch):
     assert torch.equal(transpose_copy(src, torch.empty(200, 300, device="cuda")), src.t())
     wide = torch.randn(300, 256, device="cuda")
     assert torch.equal(transpose_copy(wide[:, :200]), wide[:, :200].t())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("shape", PAIRS + [(2052, 1000, 776)], ids=str)
+def test_cuda_transpose_copy_pair(shape):
+    _pair_check(*shape, "cuda")

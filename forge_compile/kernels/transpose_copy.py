@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["transpose_copy"]
+__all__ = ["transpose_copy", "transpose_copy_pair"]
 
 _TILE = 64
 
@@ -30,6 +30,66 @@ def _transpose_kernel(src_ptr, dst_ptr, R, C, LD, BR: tl.constexpr, BC: tl.const
         cc = cc.to(tl.int64)
     tile = tl.load(src_ptr + rr[:, None] * LD + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
     tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < C) & (rr[None, :] < R))
+
+
+@triton.jit
+def _transpose_pair_kernel(a_ptr, b_ptr, dst_ptr, R, CA, CB, LDA, LDB, BR: tl.constexpr, BC: tl.constexpr,
+                           BIG: tl.constexpr):
+    # dst [CA + CB, R]: rows [0, CA) = a^T, rows [CA, CA + CB) = b^T; column-tile programs of a, then of b
+    pc = tl.program_id(1)
+    na = tl.cdiv(CA, BC)
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    if BIG:
+        rr = rr.to(tl.int64)
+    if pc < na:
+        cc = pc * BC + tl.arange(0, BC)
+        if BIG:
+            cc = cc.to(tl.int64)
+        tile = tl.load(a_ptr + rr[:, None] * LDA + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < CA))
+        tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < CA) & (rr[None, :] < R))
+    else:
+        cc = (pc - na) * BC + tl.arange(0, BC)
+        if BIG:
+            cc = cc.to(tl.int64)
+        tile = tl.load(b_ptr + rr[:, None] * LDB + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < CB))
+        tl.store(dst_ptr + (CA + cc)[:, None] * R + rr[None, :], tl.trans(tile),
+                 mask=(cc[:, None] < CB) & (rr[None, :] < R))
+
+
+def transpose_copy_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a.t().contiguous(), b.t().contiguous())`` for ``a`` [R, CA] and ``b`` [R, CB] of one dtype and device, in
+    one allocation ([CA + CB, R]; the results are its two row ranges, each contiguous) and one launch: the fp32
+    (TF32) path's dY^T and X^T (wgrad_update_gluon.kmajor_copies), where a second launch and allocation cost
+    ~20 us of host per fused launch. Layouts transpose_copy does not tile, or a mixed pair, take it twice."""
+    (r, ca), (rb, cb) = a.shape, b.shape
+    if (rb != r or a.dtype != b.dtype or a.device != b.device or a.numel() == 0 or b.numel() == 0
+            or (ca > 1 and a.stride(1) != 1) or (cb > 1 and b.stride(1) != 1) or a.stride(0) < ca
+            or b.stride(0) < cb or (not a.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")):
+        return transpose_copy(a), transpose_copy(b)
+    buf = torch.empty((ca + cb, r), dtype=a.dtype, device=a.device)
+    lda, ldb = a.stride(0), b.stride(0)
+    grid = (triton.cdiv(r, _TILE), triton.cdiv(ca, _TILE) + triton.cdiv(cb, _TILE))
+    big = max(grid[0] * _TILE * max(lda, ldb), (ca + cb + _TILE) * r) >= 2 ** 31
+    args, opts = (a, b, buf, r, ca, cb, lda, ldb), dict(BR=_TILE, BC=_TILE, BIG=big, num_warps=4)
+    _launch(_transpose_pair_kernel, grid, args, opts,
+            ("transpose_copy_pair", a.device.index, a.dtype, a.data_ptr(), b.data_ptr(), buf.data_ptr(),
+             r, ca, cb, lda, ldb) if a.is_cuda else None)
+    return buf[:ca], buf[ca:]
+
+
+def _launch(kernel, grid, args, opts, key) -> None:
+    # copies run at every fp32 (TF32) fused launch, whose own launch is memoized: Triton's JIT dispatch (~30 us of
+    # host per launch) would make them the host cost of a step; ``key`` pins everything the launch depends on
+    # (None: the interpreter, no memo)
+    if key is None:
+        kernel[grid](*args, **opts)
+        return
+    from . import launch_memo
+
+    if launch_memo.lookup(key, (), ()):
+        return
+    kernel[grid](*args, **opts)
+    launch_memo.remember(key, kernel, lambda: (kernel, grid, args, opts), None, (), (), ())
 
 
 def transpose_copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,17 +109,7 @@ def transpose_copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     grid = (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))
     # element offsets up to the last tile's padded end, on either side
     big = max(grid[0] * _TILE * ld, grid[1] * _TILE * r) >= 2 ** 31
-    args, opts = (src, out, r, c, ld), dict(BR=_TILE, BC=_TILE, BIG=big, num_warps=4)
-    if not src.is_cuda:   # the interpreter
-        _transpose_kernel[grid](*args, **opts)
-        return out
-    # two copies per fp32 (TF32) fused launch, whose own launch is memoized: Triton's JIT dispatch (~30 us of host
-    # per launch) would make them the host cost of a step; the key pins everything the launch depends on
-    from . import launch_memo
-
-    key = ("transpose_copy", src.device.index, src.dtype, src.data_ptr(), out.data_ptr(), r, c, ld)
-    if launch_memo.lookup(key, (), ()):
-        return out
-    _transpose_kernel[grid](*args, **opts)
-    launch_memo.remember(key, _transpose_kernel, lambda: (_transpose_kernel, grid, args, opts), None, (), (), ())
+    _launch(_transpose_kernel, grid, (src, out, r, c, ld), dict(BR=_TILE, BC=_TILE, BIG=big, num_warps=4),
+            ("transpose_copy", src.device.index, src.dtype, src.data_ptr(), out.data_ptr(), r, c, ld)
+            if src.is_cuda else None)
     return out

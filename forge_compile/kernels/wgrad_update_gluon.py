@@ -2023,6 +2023,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
 
         # xk: X's copy made once for several row slabs of one update (launch), or both copies made by the caller
         # (kmajor_copies: the launch memo keys on their addresses)
+        if dyk is None and xk is None:
+            dyk, xk = kmajor_copies(dy_t, x)
         dyk = transpose_copy(dy_t.t()) if dyk is None else dyk
         xk = transpose_copy(x) if xk is None else xk
         dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
@@ -2140,9 +2142,9 @@ def kmajor_copies(dy_t, x) -> tuple:
     caller of ``launch`` so that the launch memo can key on their addresses: a compiled step's allocations repeat,
     so step after step the copies land where they did and the remembered launch (descriptors over those
     addresses) is valid for them -- where they land elsewhere the key differs and the full path runs."""
-    from .transpose_copy import transpose_copy
+    from .transpose_copy import transpose_copy_pair
 
-    return transpose_copy(dy_t.t()), transpose_copy(x)
+    return transpose_copy_pair(dy_t.t(), x)
 
 
 def _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule: Rule, side_out, config, max_ctas, table):
