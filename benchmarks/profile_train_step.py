@@ -160,7 +160,11 @@ def profile_route(route, args, out):
                       checkpoint=args.checkpoint)
     wl = B.WithLoss(model, args.vocab)
     opt, fused, note = B.build_optimizer(model, route, 1e-3)
-    bf16 = device.type == "cuda"
+    cuda = device.type == "cuda"
+    bf16 = cuda and not args.tf32
+    if args.tf32:   # fp32 activations, TF32 matmuls (bench_train_step --fp32 --tf32)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
     step, _ = B.make_step(route, wl, opt, autocast)
@@ -174,7 +178,7 @@ def profile_route(route, args, out):
     B.sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3 / len(batches)
     # Host time of one step when the device is never waited on: enqueue only (no sync inside the step).
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if bf16 else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         for x, y in batches:
             step(x, y)
@@ -188,7 +192,7 @@ def profile_route(route, args, out):
              f"adamw_fused {fused} {note}",
              f"wall ms/step (no profiler): {wall_ms:.3f}",
              f"device busy ms/step (profiler, sum of self device time): {dev_us / 1e3 / len(batches):.3f}"]
-    if bf16:
+    if cuda:
         # the last synchronize is outside the steps' work but inside the profile: it counts as one sync
         t = timeline_stats(prof.events(), len(batches))
         lines.append("timeline per step (profiler): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
@@ -196,18 +200,18 @@ def profile_route(route, args, out):
         lines += [f"{g:<28} {us:9.1f} {k:6g}" for g, us, k in kernel_groups(prof.events(), len(batches))]
     lines += ["", "== top by self CPU time ==",
              ka.table(sort_by="self_cpu_time_total", row_limit=35, max_name_column_width=70)]
-    if bf16:
+    if cuda:
         lines += ["", "== top by device time ==",
                   ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
     text = "\n".join(lines)
     with open(os.path.join(out, f"profile_{route}.txt"), "w") as f:
         f.write(text)
-    if bf16:
+    if cuda:
         # every kernel name with its launches and device us per step: diff two routes' files to see which kernels
         # one of them adds or slows (kernels replayed from a CUDA graph are listed like launched ones)
         write_kernel_table(prof.events(), len(batches), os.path.join(out, f"kernels_{route}.tsv"))
-    print("\n".join(lines[:4 if bf16 else 3]), flush=True)
-    if bf16:
+    print("\n".join(lines[:4 if cuda else 3]), flush=True)
+    if cuda:
         print("\n".join(lines[5:lines.index("== top by self CPU time ==") - 1]), flush=True)
 
 
@@ -219,6 +223,7 @@ def main():
     p.add_argument("--mb", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--tf32", action="store_true", help="fp32 activations with TF32 matmuls instead of bf16 autocast")
     p.add_argument("--cprofile", action="store_true", help="also cProfile the steps: DIR/profile_<route>_host.txt")
     for k, v in B.PRESETS["quick"].items():
         if k in ("d_model", "layers", "heads", "d_ff", "vocab", "seq_len"):
