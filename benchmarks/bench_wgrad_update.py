@@ -2,7 +2,7 @@
 
   python benchmarks/bench_wgrad_update.py [--out DIR] [--cases final|sweep|all|gluon|rings|vec|smem|overlap|v12|v12b|
                                                            splitovl|hoist|math|tf32|e2e|cast|l2pf|splittune|
-                                                           concurrent|group] [--plot PNG]
+                                                           concurrent|group|pdl|coop] [--plot PNG]
 
 Cases ("final"): AdamW with bf16 activations on 4096x4096, 14336x4096, 4096x14336 at M = 256..8192;
 SGD-momentum, Lion and AdamW with fp32 activations on 4096x4096; AdamW on the 128256x4096 lm_head at
@@ -18,7 +18,8 @@ default kernel vs its GEMM schedule alone (GConfig.epi="gemm") vs its epilogue a
 fused AdamW, bench_overlap.txt. "v12"/"v12b": v12 split configs; "splitovl" (split_overlap_sweep): where the split
 kernel's time goes; "hoist" (hoist_sweep): split with per-tile chunk bases (GConfig.hoist) vs split; "math"
 (math_sweep): AdamW vs a rule with AdamW's arrays and three multiply-adds (does the exact math limit the stream?);
-"tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on; "l2pf" (l2pf_sweep):
+"tf32" (tf32_sweep): AdamW 4096x4096 with fp32 activations, TF32 off (torch's default) and on; "coop" (coop_sweep):
+the coop split kernel (128x256 tiles, two MMA warpgroups) vs split at M >= 2048; "l2pf" (l2pf_sweep):
 the split kernel with its next tile's W/states prefetched into L2 (GConfig.l2pf) vs without; "splittune"
 (splittune_sweep): the split kernel's hoist / tile-order group / load eviction hint; "concurrent"
 (concurrent_sweep): the fused kernel on a side stream beside a dX GEMM vs the two in sequence
@@ -519,6 +520,64 @@ def split_overlap_sweep(args, log):
     log("\n" + f"{'M':>6} " + " ".join(f"{k:>10}" for k in keys))
     for m, t in rows:
         log(f"{m:>6} " + " ".join(f"{t[k]:>10.4f}" for k in keys))
+    return all_ok
+
+
+# ---- the coop split kernel (GConfig.mma_warps=8: 128x256 tiles, two MMA warpgroups) vs split, at large M -------------
+
+COOP_CASES = [("adamw", 4096, 4096, (2048, 4096, 8192, 16384)), ("adamw", 4096, 14336, (4096, 8192)),
+              ("adamw", 14336, 4096, (4096, 8192)), ("sgdm", 4096, 4096, (4096, 8192))]
+
+
+def coop_sweep(args, log):
+    """bf16, one process, per case: unfused, cuBLAS mm, the pick (split), split with stream=False (its GEMM and
+    hand-offs alone), the coop kernel (coop_config: [128, 256] tiles, two MMA warpgroups, one epilogue warpgroup)
+    as built and with hoist, and coop with stream=False -- every fused config checked bit-exact vs eager on its
+    stored dW first, the stream=False ones checked to leave W/states untouched. The question (stop 30): does the
+    [128, 256] tile bring the GEMM schedule to cuBLAS speed at M >= 8192 (coop_off vs mm), and is the one epilogue
+    warpgroup hidden there (coop vs coop_off)? Printed: x = unfused / time, vs_mm = time / mm. False when a check
+    failed."""
+    from triton.testing import do_bench
+
+    def bench(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    cfgs = {"split": None, "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True)}
+    offs = {"split_off": wg.split_config(stream=False), "coop_off": wg.coop_config(stream=False)}
+    all_ok, rows = True, []
+    for kind, n, k, ms in COOP_CASES:
+        for m in ms:
+            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
+            pick = wg.pick_for(m, 1 + sum(1 for s in st if s.dim()), 2, 0)
+            named = {c: (pick if cfg is None else cfg) for c, cfg in cfgs.items()}
+            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                     for c in named.values())
+            for cfg in offs.values():
+                w1, st1 = w.clone(), [s.clone() for s in st]
+                wg.bound_launch(w1, dy_t, x, st1, hp, rule, config=cfg)()
+                ok &= torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st) if a.dim())
+            all_ok &= ok
+            if not ok:
+                log(f"CHECK FAILED: {kind} {n}x{k} M={m}")
+                continue
+            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
+            t = {"unfused": bench(fn), "mm": bench(lambda: wgrad_mm(dy_t, x))}
+            for c, cfg in {**named, **offs}.items():
+                t[c] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg))
+            for c in ("split", "coop", "coop_h"):
+                t[f"x_{c}"] = t["unfused"] / t[c]
+            for c in ("split_off", "coop_off", "coop"):
+                t[f"{c}/mm"] = t[c] / t["mm"]
+            rows.append((f"{kind} {n}x{k} {m}", t))
+            log(f"{kind} {n}x{k} M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
+            del w, dy_t, x, st
+            torch.cuda.empty_cache()
+    if rows:
+        keys = list(rows[0][1])
+        log("\n" + f"{'case':>22} " + " ".join(f"{key:>12}" for key in keys))
+        for name, t in rows:
+            log(f"{name:>22} " + " ".join(f"{t[key]:>12.4f}" for key in keys))
     return all_ok
 
 
@@ -1195,7 +1254,7 @@ def main():
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
                                                                  "smem", "overlap", "v12", "v12b", "splitovl", "hoist",
                                                                  "math", "tf32", "e2e", "cast", "l2pf",
-                                                                 "splittune", "concurrent", "group", "pdl"])
+                                                                 "splittune", "concurrent", "group", "pdl", "coop"])
     ap.add_argument("--configs", default="", help="sweep configs (default: every GPU config)")
     ap.add_argument("--short", default="", help="configs also timed on every final case")
     ap.add_argument("--procs", type=int, default=8)
@@ -1218,8 +1277,8 @@ def main():
     log(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  GPU {torch.cuda.get_device_name()}  "
         f"torch {torch.__version__}  triton {triton.__version__}")
     if args.cases in ("rings", "vec", "smem", "overlap", "v12", "v12b", "splitovl", "hoist", "math", "tf32", "cast", "l2pf",
-                      "splittune", "concurrent", "group", "pdl"):
-        ok = {"pdl": pdl_sweep, "group": group_sweep, "l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
+                      "splittune", "concurrent", "group", "pdl", "coop"):
+        ok = {"coop": coop_sweep, "pdl": pdl_sweep, "group": group_sweep, "l2pf": l2pf_sweep, "splittune": splittune_sweep, "concurrent": concurrent_sweep, "rings": ring_sweep, "vec": vec_sweep, "smem": smem_sweep, "overlap": overlap_sweep,
               "v12": v12_sweep, "v12b": v12b_sweep, "splitovl": split_overlap_sweep,
               "hoist": hoist_sweep, "math": math_sweep, "tf32": tf32_sweep, "cast": cast_sweep}[args.cases](args, log)
         log(f"checks {'OK' if ok else 'FAILED'}")

@@ -61,7 +61,10 @@ def _specs(args):
                "split_h_a6": wg.split_config(hoist=True, ahead=6), "split_h_a8": wg.split_config(hoist=True, ahead=8),
                "split_h_ld": wg.split_config(hoist=True, evict="ld"),
                # fp32 activations under TF32: the split kernel on K-major copies (compiled with fp32 dY / X)
-               "tf32": wg.tf32_config(4096), "tf32_h": wg.tf32_config(1024)}
+               "tf32": wg.tf32_config(4096), "tf32_h": wg.tf32_config(1024),
+               # the coop split kernel: 128x256 tiles, two MMA warpgroups, one epilogue warpgroup (stop 30)
+               "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True), "coop_r8": wg.coop_config(rows=8, ahead=2),
+               "coop_b64": wg.coop_config(bmt=64, stages=2), "coop_nostream": wg.coop_config(stream=False)}
     for rname in args.rules.split(","):
         for cname in filter(None, args.triton.split(",")):
             for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):

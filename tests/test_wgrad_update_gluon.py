@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -629,17 +630,75 @@ def test_render_split_every_rule(rule):
     _assert_same_pieces(smem, split, ("_rule", "_tile_coords", "_gemm_loader", "_tile_mma", "_smem_chunk", "_smem_load",
                                       "_smem_ahead0", "_smem_step"))
     # one MMA warpgroup (no turn), two epilogue warpgroups, the loader
+    # (and the coop branch: two MMA warpgroups, one epilogue warpgroup)
     kernel = split.split("def wgrad_update_gluon_kernel", 1)[1]
-    assert "[4, 4, 1]" in kernel and kernel.count("_split_epi") == 2 and "_split_mma" in kernel
-    assert split.count("_tile_mma(") == 2 and "False)" in split.split("def _split_mma", 1)[1].split("@gluon", 1)[0]
+    assert "[4, 4, 1]" in kernel and "[4, 1]" in kernel and kernel.count("_split_epi") == 3 and "_split_mma" in kernel
+    # _split_mma's GEMM takes no mma turn (TURN=False)
+    mma_body = split.split("def _split_mma", 1)[1].split("@gluon", 1)[0]
+    assert split.count("_tile_mma(") == 2 and re.search(r"_tile_mma\([^)]*\bFalse, KMAJOR\)", mma_body)
     n_states = len(ep.tensor_inputs) - 2
     assert split.count("gl.load(") == n_states + 1 and split.count("gl.store(") == n_states + 3
 
 
 # the vector-load epilogues (v10 "vec", v11 "smem", v12 "split"): the same exactness checks
-VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS, **SPLIT_LAYOUTS}
+# the coop split kernel (stop 30; GConfig.mma_warps=8): [128, 256] tiles, two MMA warpgroups, one epilogue
+# warpgroup walking [4, 256] chunks; prepared on CPU (sm_90 compiles: AdamW 0 B of spills, 40 B with dW), NOT GPU-run
+COOP_LAYOUTS = {"coop_r4a4b32s4": wg.coop_config(), "coop_r4a4h": wg.coop_config(hoist=True),
+                "coop_b64s2": wg.coop_config(bmt=64, stages=2),
+                # one chunk ahead and a 2-deep ring: the hand-offs with the least slack
+                "coop_r4a1s2": wg.coop_config(ahead=1, stages=2)}
+
+
+def test_coop_config_fits_and_is_never_picked():
+    for name, cfg in COOP_LAYOUTS.items():
+        wg._check_gconfig(cfg)
+        # GEMM ring + the [128, 256] fp32 dW tile
+        assert wg.gconfig_smem(cfg, 4, 2, True) == cfg.stages * cfg.bmt * 384 * 2 + 128 * 1024 <= 224 * 1024, name
+    ok = dict(epi="split", bk=256, epi_m=4, epi_n=256, stages=4, bmt=32, es=0, ahead=4, cregs=152, maxnreg=128,
+              mma_warps=8)
+    wg._check_gconfig(wg.GConfig(**ok))
+    # 5 stages pass 224 KB; no second dW tile, l2pf or pdl; 128-wide tiles or chunks; an epilogue warpgroup whose
+    # registers leave the two MMA warpgroups fewer than 160 each; 8 MMA warps on another kernel
+    for bad in (dict(stages=5), dict(dw_tiles=2), dict(l2pf=32), dict(pdl=1), dict(bk=128), dict(epi_n=128),
+                dict(epi_m=16), dict(ahead=33), dict(cregs=200), dict(mma_warps=6), dict(epi="smem")):
+        with pytest.raises(ValueError):
+            wg._check_gconfig(wg.GConfig(**{**ok, **bad}))
+    with pytest.raises(ValueError):
+        wg._check_gconfig(dataclasses.replace(wg.split_config(), mma_warps=8))   # 128x128 tiles: not coop
+    for n_arrays in range(1, 6):
+        for m in (64, 2048, 8192, 65536):
+            for act_bytes in (2, 4):
+                assert wg.pick_gconfig(m, n_arrays, act_bytes).mma_warps == 4
+
+
+def test_coop_launch_options():
+    # 8 warps in the MMA partition, one epilogue warpgroup (NEPI always in the options: the launch memo needs every
+    # defaulted constexpr there); 128x256 tiles; fp32 activations (K-major tf32 path) refused
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333)
+    kernel, grid, args, opts, _, _ = wg._prepare(w, dy_t, x, st, hp, rule, config=wg.coop_config(), max_ctas=132)
+    assert opts["num_warps"] == 8 and opts["NEPI"] == 1 and grid == (min(132, 8 * 4),)
+    assert args[0].block_shape == [32, 128] and args[1].block_shape == [32, 256]
+    opts2 = wg._prepare(w, dy_t, x, st, hp, rule, config=wg.split_config(), max_ctas=132)[3]
+    assert opts2["num_warps"] == 4 and opts2["NEPI"] == 2
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 336)   # M % 4 == 0: the K-major copies' 16-byte rows
+    with pytest.raises(ValueError, match="coop"):
+        wg._prepare(w, dy_t.float(), x.float(), st, hp, rule, config=wg.coop_config(), max_ctas=132)
+
+
+@sm90
+def test_coop_stream_off_leaves_w_and_states_untouched(force_gluon):
+    rule = RULES["adamw"]
+    w, dy_t, x, st, hp = _make(rule, 1000, 776, 333, device="cuda")
+    w0, st0 = w.clone(), [s.clone() for s in st]
+    wg.bound_launch(w, dy_t, x, st, hp, rule, config=wg.coop_config(stream=False))()
+    torch.cuda.synchronize()
+    assert torch.equal(w, w0) and all(torch.equal(a, b) for a, b in zip(st, st0))
+
+
+VECTOR_LAYOUTS = {**VEC_LAYOUTS, **SMEM_LAYOUTS, **SPLIT_LAYOUTS, **COOP_LAYOUTS}
 VECTOR_CONFIGS = {"vec": wg.vec_config, "smem": wg.smem_config, "split": wg.split_config,
-                  "split_pf32": lambda: wg.split_config(l2pf=32)}
+                  "split_pf32": lambda: wg.split_config(l2pf=32), "coop": wg.coop_config}
 
 
 @sm90

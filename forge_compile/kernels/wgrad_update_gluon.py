@@ -1030,7 +1030,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 _SPLIT_KERNEL = '''\
 @gluon.jit
 def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
-               STAGES: gl.constexpr, NDW: gl.constexpr, KMAJOR: gl.constexpr = False):
+               STAGES: gl.constexpr, NDW: gl.constexpr, KMAJOR: gl.constexpr = False, MMA_WARPS: gl.constexpr = 4):
     if KMAJOR:   # fp32 under TF32: [BN, BMT] / [BK, BMT] stages (_gemm_loader), tf32 wgmma's K of 8
         BMT: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = dy_desc.block_type.shape[0]
@@ -1041,8 +1041,11 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
         BMT: gl.constexpr = dy_desc.block_type.shape[0]
         BN: gl.constexpr = dy_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BK, 16])
+        # MMA_WARPS 8 (coop): two warpgroups, 64 rows of the tile each, as n128 instructions -- an n256 one needs
+        # its 128 accumulator registers at once and ptxas wants >= 154 at the launch's cap of 128 (16 warps)
+        IN: gl.constexpr = 128 if BK > 128 else BK
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                             instr_shape=[16, IN, 16])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -1067,9 +1070,10 @@ def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_ti
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,
                R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr, ST_EV: gl.constexpr,
                ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr, HOIST: gl.constexpr,
-               PF: gl.constexpr, PF_NEXT: gl.constexpr, PDL: gl.constexpr = 0):
-    # rows H * BN / 2 .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK]
-    CNT: gl.constexpr = BN // 2 // R
+               PF: gl.constexpr, PF_NEXT: gl.constexpr, PDL: gl.constexpr = 0, NEPI: gl.constexpr = 2):
+    # rows H * BN / NEPI .. of every tile of the CTA: chunks H * CNT .. H * CNT + CNT - 1 of [R, BK] (NEPI = 1, the
+    # coop kernel: the one epilogue warpgroup walks the whole tile)
+    CNT: gl.constexpr = BN // NEPI // R
     if PDL == 1:   # W/states may be the kernel before's output too (an Inductor copy into them): wait for it
         _gdc_wait()
     gl.static_assert(AHEAD <= CNT)
@@ -1130,15 +1134,17 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
                               R: gl.constexpr, AHEAD: gl.constexpr, BIG: gl.constexpr, LD_EV: gl.constexpr,
                               ST_EV: gl.constexpr, ST_CM: gl.constexpr, STREAM: gl.constexpr, NDW: gl.constexpr,
                               HOIST: gl.constexpr, PF: gl.constexpr, PF_NEXT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              num_warps: gl.constexpr, PDL: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+                              num_warps: gl.constexpr, PDL: gl.constexpr = 0, KMAJOR: gl.constexpr = False,
+                              NEPI: gl.constexpr = 2):
     if KMAJOR:   # descriptors over dY^T [N, M] / X^T [K, M] (fp32 under TF32; _gemm_loader)
         BN: gl.constexpr = dy_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[0]
     else:
         BN: gl.constexpr = dy_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-    gl.static_assert(num_warps == 4)
-{scalar_loads}    gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
+    # 4 MMA warps and two epilogue warpgroups, or (coop) 8 MMA warps and one epilogue warpgroup: 16 warps either way
+    gl.static_assert((num_warps == 4 and NEPI == 2) or (num_warps == 8 and NEPI == 1))
+{scalar_loads}    gl.static_assert((BN // NEPI) % R == 0 and R % 4 == 0)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -1150,19 +1156,30 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
     dw_bar = gl.allocate_shared_memory(gl.int64, [2 * NDW, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(NDW):
         mbarrier.init(dw_bar.index(b), count=1)
-        mbarrier.init(dw_bar.index(NDW + b), count=2)
+        mbarrier.init(dw_bar.index(NDW + b), count=NEPI)
 
-    gl.warp_specialize([
-        (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
-                      NDW, KMAJOR)),
-        (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
-                      GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT, PDL)),
-        (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
-                       GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT,
-                       PDL)),
-        (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
-                        STAGES, PDL, KMAJOR)),
-    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    if NEPI == 1:
+        gl.warp_specialize([
+            (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
+                          NDW, KMAJOR, num_warps)),
+            (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN,
+                          BK, GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT,
+                          PDL, 1)),
+            (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                            STAGES, PDL, KMAJOR)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES,
+                          NDW, KMAJOR)),
+            (_split_epi, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, 0, BN, BK,
+                          GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT, PDL)),
+            (_split_epi1, (w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k, BN, BK,
+                           GROUP, STORE_GRAD, R, AHEAD, BIG, LD_EV, ST_EV, ST_CM, STREAM, NDW, HOIST, PF, PF_NEXT,
+                           PDL)),
+            (_gemm_loader, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_n, num_k, GROUP,
+                            STAGES, PDL, KMAJOR)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
 
@@ -1464,6 +1481,11 @@ class GConfig:
     hoist: bool = False    # epi="smem"/"split": chunk addresses from per-tile row/column bases computed once per
     #                        tile (_smem_step_at) instead of the tile order's div/mod at every chunk (prepared, not
     #                        measured)
+    mma_warps: int = 4     # epi="split": warps of the MMA partition. 8 ("coop", coop_config): two MMA warpgroups share a
+    #                        [128, 256] tile (64 rows each; operand bytes per FLOP 3/4 of a [128, 128] tile's), one
+    #                        epilogue warpgroup streams the whole tile (the registers of 16 warps allow no second one).
+    #                        For M >= 8192, where the GEMM schedule is the gap (RESULTS.md v12 follow-up); prepared on
+    #                        CPU (stop 30), NOT GPU-run
     pdl: int = 0           # epi="split": launched as a programmatic dependent (PDL) of the kernel before it, its
     #                        CTAs starting as that kernel's CTAs exit: 1 = every partition waits (griddepcontrol.wait)
     #                        for it before touching memory (hides the launch and prologue); 2 = only the GEMM loader
@@ -1629,7 +1651,8 @@ SMEM_AHEAD_REGS = 96
 def smem_ahead(cfg: GConfig, n_load: int) -> int:
     """Chunks of lookahead a launch uses: cfg.ahead, lowered (to 1 at the least) until the lookahead of ``n_load``
     arrays (W + tensor states) fits SMEM_AHEAD_REGS."""
-    return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * n_load)))
+    # a [R, C] chunk is R * C / 128 fp32 per thread and array (R per thread for the [R, 128] chunks)
+    return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * cfg.epi_n // 128 * n_load)))
 
 
 # GConfig.evict -> (load eviction_policy, store eviction_policy, store cache_modifier) of the smem epilogue
@@ -1678,6 +1701,21 @@ def tf32_config(m: int, stages: int = SPLIT_STAGES) -> GConfig:
     the dW tile fill the same 224 KB; hoist as for bf16 (up to _SPLIT_HOIST_M). Prepared on CPU (sm_90 compiles);
     measured: benchmarks/RESULTS.md."""
     return split_config(bmt=32, stages=stages, hoist=m <= _SPLIT_HOIST_M)
+
+
+def coop_config(rows: int = 4, ahead: int = 4, stages: int = 4, bmt: int = 32, eregs: int = 152,
+                stream: bool = True, hoist: bool = False, evict: str = "") -> GConfig:
+    """The coop split kernel (GConfig.mma_warps=8): [128, 256] dW tiles, two MMA warpgroups (64 rows each), one
+    epilogue warpgroup streaming [rows, 256] chunks, ``stages`` GEMM stages of ``bmt`` tokens beside the 128 KB dW
+    tile (4 x 32 tokens x 384 x 2 B = 96 KB: 224 KB). Why: at M >= 8192 the split kernel's GEMM alone is 14 % slower
+    than cuBLAS (RESULTS.md "v12 follow-up"), reading 1.5x its operand bytes; a [128, 256] tile reads 3/4 of the
+    [128, 128] tile's per FLOP. The one epilogue warpgroup streams ~63 us of W/m/v per tile against ~96 us of GEMM
+    at M = 8192 (AdamW; H200 rates): hidden there, not at M <= 4096. For benchmarks (``--cases coop``) and tests
+    (``config=``); never picked until measured."""
+    cfg = GConfig(epi="split", bk=256, stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=256, ahead=ahead,
+                  cregs=eregs, maxnreg=128, evict=evict, stream=stream, hoist=hoist, mma_warps=8)
+    _check_gconfig(cfg)
+    return cfg
 
 
 def gemm_config(stages: int = 4, bmt: int = 64) -> GConfig:
@@ -1748,6 +1786,23 @@ def _check_gconfig(cfg: GConfig):
                              f">= 2 GEMM stages of 32 or 64 tokens within {_RING_SMEM // 1024} KB with the dW tiles, "
                              "nring=1, eout=0)")
         return
+    if cfg.epi == "split" and cfg.mma_warps == 8:
+        # coop (coop_config): [128, 256] tiles, two MMA warpgroups, ONE epilogue warpgroup walking BN / R chunks of
+        # [R, 256] (R 4 or 8), one dW tile (128 KB) beside the GEMM ring; 16 warps' registers: the MMA partition
+        # gets (65,536 - 128 x cregs - 128 x 24) / 256 (>= 160: its 128 accumulator registers and addressing)
+        if not (cfg.bn == 128 and cfg.bk == 256 and cfg.bmt in (32, 64) and cfg.epi_m in (4, 8)
+                and cfg.epi_n == 256 and 1 <= cfg.ahead <= cfg.bn // cfg.epi_m and cfg.nring == 1
+                and cfg.eout == 0 and cfg.stages >= 2 and cfg.evict in _EVICT and cfg.dw_tiles == 1
+                and not cfg.l2pf and not cfg.pdl and gconfig_smem(cfg, 0, 2) <= _RING_SMEM
+                and cfg.maxnreg * 16 * 32 <= 65536 and (65536 - 128 * cfg.cregs - 128 * 24) // 256 >= 160):
+            raise ValueError(f"unsupported Gluon config {cfg} (coop: 128x256 tiles, [4|8, 256] chunks, one dW tile "
+                             f"and >= 2 GEMM stages of 32 or 64 tokens within {_RING_SMEM // 1024} KB, no l2pf/pdl, "
+                             ">= 160 registers for the MMA warpgroups)")
+        return
+    if cfg.epi == "split" and cfg.mma_warps != 4:
+        raise ValueError(f"Gluon config {cfg}: mma_warps is 4, or 8 for the coop split kernel")
+    if cfg.mma_warps != 4:
+        raise ValueError(f"Gluon config {cfg}: mma_warps exists for epi='split' only")
     if cfg.epi == "split":
         # _split_epi: [R, 128] chunks, R 8 or 16, each epilogue warpgroup walks BN / 2 / R of them per tile (the
         # lookahead at most that many); one or two dW tiles beside the GEMM ring within the smem budget
@@ -2059,7 +2114,11 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first, KMAJOR=kmajor)
+            if kmajor and cfg.mma_warps != 4:
+                raise ValueError("forge: the coop split kernel (mma_warps=8) takes 2-byte activations only")
+            # NEPI always passed: the launch memo needs every defaulted constexpr in the options
+            opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first, KMAJOR=kmajor,
+                        NEPI=1 if cfg.mma_warps == 8 else 2, num_warps=cfg.mma_warps)
             # not with a tied embedding's rows: the epilogue reads them, and they may be the previous kernel's output
             opts.update(pdl_opts(cfg, allowed=extra is None))
         return kernel, grid, args, opts, scalar_states, new_scalar_states
