@@ -542,7 +542,8 @@ def coop_sweep(args, log):
     def bench(fn):
         return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
 
-    cfgs = {"split": None, "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True)}
+    cfgs = {"split": None, "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True),
+            "coop_b64": wg.coop_config(bmt=64, stages=2)}
     offs = {"split_off": wg.split_config(stream=False), "coop_off": wg.coop_config(stream=False)}
     all_ok, rows = True, []
     for kind, n, k, ms in COOP_CASES:
@@ -565,7 +566,7 @@ def coop_sweep(args, log):
             t = {"unfused": bench(fn), "mm": bench(lambda: wgrad_mm(dy_t, x))}
             for c, cfg in {**named, **offs}.items():
                 t[c] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg))
-            for c in ("split", "coop", "coop_h"):
+            for c in ("split", "coop", "coop_h", "coop_b64"):
                 t[f"x_{c}"] = t["unfused"] / t[c]
             for c in ("split_off", "coop_off", "coop"):
                 t[f"{c}/mm"] = t[c] / t["mm"]

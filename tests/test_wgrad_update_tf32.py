@@ -276,6 +276,20 @@ def test_tf32_unused_copies_are_not_made_again(monkeypatch):
     assert torch.equal(w, w_e) and all(torch.equal(a, b) for a, b in zip(st, st_e))
 
 
+def test_kcopies_wanted():
+    # launch_wgrad_update makes the K-major copies before the memo lookup only where the Gluon TF32 path will read
+    # them: both operands fp32, M % 4 == 0, one launch (an update in row slabs copies per slab)
+    w, x = torch.empty(4096, 64, device="meta"), torch.empty(2048, 64, device="meta")
+    dy_t = torch.empty(2048, 4096, device="meta").t()
+    assert wg.kcopies_wanted(w, dy_t, x)
+    assert not wg.kcopies_wanted(w, dy_t, torch.empty(2046, 64, device="meta"))
+    assert not wg.kcopies_wanted(w, dy_t.bfloat16(), x.bfloat16())
+    # a 128256-row lm_head: 1.05 GB of dY^T at 2048 tokens (one launch, under 1 GiB), 2.1 GB at 4096 (slabs)
+    assert wg.kcopies_wanted(torch.empty(128256, 64, device="meta"), torch.empty(2048, 128256, device="meta").t(), x)
+    assert not wg.kcopies_wanted(torch.empty(128256, 64, device="meta"),
+                                 torch.empty(4096, 128256, device="meta").t(), torch.empty(4096, 64, device="meta"))
+
+
 # ---- row slabs: the dY^T copy bounded (TF32_SLAB_BYTES) ------------------------------------------------------
 
 
