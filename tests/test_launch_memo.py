@@ -131,6 +131,20 @@ def test_key_follows_pointer_shape_stride_dtype_and_kind():
     assert base != lm.launch_key("a", R.adam_rule(), w, x.t(), x, states, None)           # rule
 
 
+def test_unused_marks_are_bounded_and_cleared():
+    # launch_wgrad_update marks keys whose K-major copies went unused (Gluon refused the fp32 launch): remembered
+    # until clear(), the oldest dropped past 4 x capacity
+    lm.clear()
+    assert not lm.unused(("k", 1))
+    lm.mark_unused(("k", 1))
+    assert lm.unused(("k", 1)) and not lm.unused(("k", 2))
+    for i in range(4 * lm._CAPACITY + 1):
+        lm.mark_unused(("n", i))
+    assert not lm.unused(("k", 1)) and lm.unused(("n", 4 * lm._CAPACITY))
+    lm.clear()
+    assert not lm.unused(("n", 4 * lm._CAPACITY))
+
+
 def test_scalars_not_found_leaves_the_full_path():
     rule, ep, w, states, sidx, hp = _setup()
     kernel = FakeKernel()
