@@ -1080,8 +1080,10 @@ def tf32_sweep(args, log):
                     # the Gluon split kernel on K-major copies (wgrad_update_gluon.tf32_config; the copies are
                     # inside the timed call, bound_launch), as picked and with hoist toggled
                     gpick = wg.tf32_config(m)
+                    # and, from M = 4096 on, the coop split kernel (128x256 tiles; 16-token fp32 stages; stop 30)
+                    coop = (("gl_coop", wg.coop_config(bmt=16)),) if m >= 4096 else ()
                     for gname, gc in (("gl", gpick), ("gl_h" if not gpick.hoist else "gl_noh",
-                                                      dataclasses.replace(gpick, hoist=not gpick.hoist))):
+                                                      dataclasses.replace(gpick, hoist=not gpick.hoist))) + coop:
                         ok, rel, exact = check_config(rule, w, dy_t, x, st, hp, None, tol=5e-3,
                                                       launch=lambda *a, gc=gc, **k: wg.launch(*a, **k, config=gc))[:3]
                         if not ok or rel <= 1e-5:

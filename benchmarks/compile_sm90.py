@@ -64,7 +64,8 @@ def _specs(args):
                "tf32": wg.tf32_config(4096), "tf32_h": wg.tf32_config(1024),
                # the coop split kernel: 128x256 tiles, two MMA warpgroups, one epilogue warpgroup (stop 30)
                "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True), "coop_r8": wg.coop_config(rows=8, ahead=2),
-               "coop_b64": wg.coop_config(bmt=64, stages=2), "coop_nostream": wg.coop_config(stream=False)}
+               "coop_b64": wg.coop_config(bmt=64, stages=2), "coop_nostream": wg.coop_config(stream=False),
+               "tf32_coop": wg.coop_config(bmt=16), "tf32_coop_b32": wg.coop_config(bmt=32, stages=2)}
     for rname in args.rules.split(","):
         for cname in filter(None, args.triton.split(",")):
             for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):

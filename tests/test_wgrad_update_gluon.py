@@ -681,9 +681,13 @@ def test_coop_launch_options():
     assert args[0].block_shape == [32, 128] and args[1].block_shape == [32, 256]
     opts2 = wg._prepare(w, dy_t, x, st, hp, rule, config=wg.split_config(), max_ctas=132)[3]
     assert opts2["num_warps"] == 4 and opts2["NEPI"] == 2
+    # fp32 activations (TF32, K-major copies): 32-token stages of fp32 pass the smem budget beside the 128 KB dW
+    # tile; 16-token stages fit
     w, dy_t, x, st, hp = _make(rule, 1000, 776, 336)   # M % 4 == 0: the K-major copies' 16-byte rows
-    with pytest.raises(ValueError, match="coop"):
+    with pytest.raises(ValueError, match="GEMM stages of fp32"):
         wg._prepare(w, dy_t.float(), x.float(), st, hp, rule, config=wg.coop_config(), max_ctas=132)
+    opts = wg._prepare(w, dy_t.float(), x.float(), st, hp, rule, config=wg.coop_config(bmt=16), max_ctas=132)[3]
+    assert opts["KMAJOR"] and opts["num_warps"] == 8
 
 
 @sm90

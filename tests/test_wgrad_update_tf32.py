@@ -192,6 +192,15 @@ def test_tf32_exact_many_tiles_per_cta(hoist, max_ctas):
 
 
 @sm90
+@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("shape", [(1000, 776, 332), (384, 512, 2052)], ids=lambda s: "x".join(map(str, s)))
+def test_tf32_coop_exact(name, shape):
+    # the coop split kernel (128x256 tiles, two MMA warpgroups; stop 30, prepared on CPU) on K-major fp32 copies:
+    # 16-token stages; ragged N/K, M not a multiple of the stage
+    _check(RULES[name], *shape, config=wg.coop_config(bmt=16), max_ctas=5)
+
+
+@sm90
 def test_tf32_op_path_takes_gluon_and_matches_reference(monkeypatch):
     # the op (what the compiled step calls) sends fp32 under TF32 to the Gluon kernel; IEEE stays on Triton
     monkeypatch.delenv(wg.TF32_ENV, raising=False)

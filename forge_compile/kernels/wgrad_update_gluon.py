@@ -1035,8 +1035,9 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
         BMT: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = dy_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[0]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BK, 8])
+        INK: gl.constexpr = 128 if BK > 128 else BK   # coop: n128 instructions (see below)
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                             instr_shape=[16, INK, 8])
     else:
         BMT: gl.constexpr = dy_desc.block_type.shape[0]
         BN: gl.constexpr = dy_desc.block_type.shape[1]
@@ -1711,7 +1712,8 @@ def coop_config(rows: int = 4, ahead: int = 4, stages: int = 4, bmt: int = 32, e
     than cuBLAS (RESULTS.md "v12 follow-up"), reading 1.5x its operand bytes; a [128, 256] tile reads 3/4 of the
     [128, 128] tile's per FLOP. The one epilogue warpgroup streams ~63 us of W/m/v per tile against ~96 us of GEMM
     at M = 8192 (AdamW; H200 rates): hidden there, not at M <= 4096. For benchmarks (``--cases coop``) and tests
-    (``config=``); never picked until measured."""
+    (``config=``); never picked until measured. fp32 activations (TF32, K-major copies) need stages of half the
+    tokens: ``coop_config(bmt=16)`` (4 x 16 tokens x 384 x 4 B = 96 KB)."""
     cfg = GConfig(epi="split", bk=256, stages=stages, bmt=bmt, es=0, epi_m=rows, epi_n=256, ahead=ahead,
                   cregs=eregs, maxnreg=128, evict=evict, stream=stream, hoist=hoist, mma_warps=8)
     _check_gconfig(cfg)
@@ -1790,13 +1792,13 @@ def _check_gconfig(cfg: GConfig):
         # coop (coop_config): [128, 256] tiles, two MMA warpgroups, ONE epilogue warpgroup walking BN / R chunks of
         # [R, 256] (R 4 or 8), one dW tile (128 KB) beside the GEMM ring; 16 warps' registers: the MMA partition
         # gets (65,536 - 128 x cregs - 128 x 24) / 256 (>= 160: its 128 accumulator registers and addressing)
-        if not (cfg.bn == 128 and cfg.bk == 256 and cfg.bmt in (32, 64) and cfg.epi_m in (4, 8)
+        if not (cfg.bn == 128 and cfg.bk == 256 and cfg.bmt in (16, 32, 64) and cfg.epi_m in (4, 8)
                 and cfg.epi_n == 256 and 1 <= cfg.ahead <= cfg.bn // cfg.epi_m and cfg.nring == 1
                 and cfg.eout == 0 and cfg.stages >= 2 and cfg.evict in _EVICT and cfg.dw_tiles == 1
                 and not cfg.l2pf and not cfg.pdl and gconfig_smem(cfg, 0, 2) <= _RING_SMEM
                 and cfg.maxnreg * 16 * 32 <= 65536 and (65536 - 128 * cfg.cregs - 128 * 24) // 256 >= 160):
             raise ValueError(f"unsupported Gluon config {cfg} (coop: 128x256 tiles, [4|8, 256] chunks, one dW tile "
-                             f"and >= 2 GEMM stages of 32 or 64 tokens within {_RING_SMEM // 1024} KB, no l2pf/pdl, "
+                             f"and >= 2 GEMM stages of 16, 32 or 64 tokens within {_RING_SMEM // 1024} KB, no l2pf/pdl, "
                              ">= 160 registers for the MMA warpgroups)")
         return
     if cfg.epi == "split" and cfg.mma_warps != 4:
@@ -2114,8 +2116,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
                     AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
-            if kmajor and cfg.mma_warps != 4:
-                raise ValueError("forge: the coop split kernel (mma_warps=8) takes 2-byte activations only")
+            if kmajor and gconfig_smem(cfg, 0, 4) > _RING_SMEM:
+                # the check above counts 2-byte activations; fp32 stages are twice that (coop: 16-token stages)
+                raise ValueError(f"forge: Gluon config {cfg}: its GEMM stages of fp32 activations (TF32) pass "
+                                 f"{_RING_SMEM // 1024} KB beside the dW tile")
             # NEPI always passed: the launch memo needs every defaulted constexpr in the options
             opts.update(STREAM=cfg.stream, NDW=cfg.dw_tiles, PF=cfg.l2pf, PF_NEXT=not cfg.l2pf_first, KMAJOR=kmajor,
                         NEPI=1 if cfg.mma_warps == 8 else 2, num_warps=cfg.mma_warps)
