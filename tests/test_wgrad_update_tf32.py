@@ -109,7 +109,7 @@ def test_tf32_prepare_copies_k_major(fake_sm90):
 
 def test_tf32_render_has_the_k_major_branch():
     src = wg._epi_source(RULES["adamw"], "split")
-    assert "KMAJOR" in src and "instr_shape=[16, BK, 8]" in src
+    assert "KMAJOR" in src and "instr_shape=[16, INK, 8]" in src   # INK: BK, or 128 for the coop tiles
 
 
 def test_grouped_launch_refuses_fp32():
