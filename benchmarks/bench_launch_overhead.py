@@ -52,6 +52,22 @@ def per_call_us(fn, calls, reset):
     return best
 
 
+def layer_cycle(op, rule, layers):
+    """(call, reset): the op over ``layers`` (make_inputs tails) in turn, as a backward launches them; reset puts the
+    next layer's step back (the same host-scalar values at every call: the memoized path)."""
+    turn = [0]
+
+    def cycle():
+        lw, ldy, lx, lst, lhp = layers[turn[0]]
+        turn[0] = (turn[0] + 1) % len(layers)
+        op(lw, ldy, lx, lst, lhp, rule.name)
+
+    def reset_all():
+        layers[turn[0]][3][0].fill_(10.0)
+
+    return cycle, reset_all
+
+
 def tf32_rows(a, rule, n, k, m) -> dict:
     op = torch.ops.forge.wgrad_update_.default
     old = torch.backends.cuda.matmul.allow_tf32
@@ -71,16 +87,7 @@ def tf32_rows(a, rule, n, k, m) -> dict:
         launch_memo.ENABLED[0] = True
         rows["op_tf32"] = per_call_us(lambda: op(w, dy_t, x, states, hp, rule.name), a.calls, reset)
         layers = [make_inputs("adamw", torch.float32, n, k, m)[1:] for _ in range(a.layers)]
-        turn = [0]
-
-        def cycle():
-            lw, ldy, lx, lst, lhp = layers[turn[0]]
-            turn[0] = (turn[0] + 1) % len(layers)
-            op(lw, ldy, lx, lst, lhp, rule.name)
-
-        def reset_all():
-            layers[turn[0]][3][0].fill_(10.0)
-
+        cycle, reset_all = layer_cycle(op, rule, layers)
         rows["op_cycle_tf32"] = per_call_us(cycle, a.calls, reset_all)
         return rows
     finally:
@@ -126,16 +133,7 @@ def main():
     # a model's backward: many layers, each its own tensors and memo entry, launched in turn (the microbenchmark
     # above repeats one launch with hot caches); with and without the direct C-launcher entry on memo hits
     layers = [make_inputs("adamw", torch.bfloat16, n, k, m)[1:] for _ in range(a.layers)]
-    turn = [0]
-
-    def cycle():
-        lw, ldy, lx, lst, lhp = layers[turn[0]]
-        turn[0] = (turn[0] + 1) % len(layers)
-        op(lw, ldy, lx, lst, lhp, rule.name)
-
-    def reset_all():
-        layers[turn[0]][3][0].fill_(10.0)
-
+    cycle, reset_all = layer_cycle(op, rule, layers)
     rows["op_cycle"] = per_call_us(cycle, a.calls, reset_all)
     launch_memo.DIRECT[0] = False
     launch_memo.clear()

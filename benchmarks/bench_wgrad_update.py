@@ -542,38 +542,25 @@ def coop_sweep(args, log):
     def bench(fn):
         return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
 
-    cfgs = {"split": None, "coop": wg.coop_config(), "coop_h": wg.coop_config(hoist=True),
-            "coop_b64": wg.coop_config(bmt=64, stages=2)}
     offs = {"split_off": wg.split_config(stream=False), "coop_off": wg.coop_config(stream=False)}
     all_ok, rows = True, []
     for kind, n, k, ms in COOP_CASES:
+        rule = rule_of(kind)
+        n_load = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
         for m in ms:
-            rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
-            pick = wg.pick_for(m, 1 + sum(1 for s in st if s.dim()), 2, 0)
-            named = {c: (pick if cfg is None else cfg) for c, cfg in cfgs.items()}
-            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
-                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
-                     for c in named.values())
-            for cfg in offs.values():
-                w1, st1 = w.clone(), [s.clone() for s in st]
-                wg.bound_launch(w1, dy_t, x, st1, hp, rule, config=cfg)()
-                ok &= torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st) if a.dim())
+            cfgs = {"split": wg.pick_for(m, n_load, 2, 0), "coop": wg.coop_config(),
+                    "coop_h": wg.coop_config(hoist=True), "coop_b64": wg.coop_config(bmt=64, stages=2)}
+            ok, t, _ = _time_gluon_configs(kind, n, k, m, cfgs, bench, untouched=offs, mm=True)
             all_ok &= ok
             if not ok:
                 log(f"CHECK FAILED: {kind} {n}x{k} M={m}")
                 continue
-            fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
-            t = {"unfused": bench(fn), "mm": bench(lambda: wgrad_mm(dy_t, x))}
-            for c, cfg in {**named, **offs}.items():
-                t[c] = bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=cfg))
             for c in ("split", "coop", "coop_h", "coop_b64"):
                 t[f"x_{c}"] = t["unfused"] / t[c]
             for c in ("split_off", "coop_off", "coop"):
                 t[f"{c}/mm"] = t[c] / t["mm"]
             rows.append((f"{kind} {n}x{k} {m}", t))
             log(f"{kind} {n}x{k} M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
-            del w, dy_t, x, st
-            torch.cuda.empty_cache()
     if rows:
         keys = list(rows[0][1])
         log("\n" + f"{'case':>22} " + " ".join(f"{key:>12}" for key in keys))
@@ -587,16 +574,26 @@ def coop_sweep(args, log):
 HOIST_CASES = [("adamw", (64, 256, 1024, 2048, 4096, 8192)), ("sgdm", (256, 2048, 8192)), ("lion", (256, 2048))]
 
 
-def _time_gluon_configs(kind, n, k, m, cfgs, bench):
+def _time_gluon_configs(kind, n, k, m, cfgs, bench, untouched=None, mm=False):
     """bf16 inputs for one case, every Gluon config of ``cfgs`` checked bit-exact vs eager on its stored dW, then
-    timed beside the unfused step: (all checks passed, {"unfused": ms, name: ms ...}, the rule)."""
+    timed beside the unfused step: (all checks passed, {"unfused": ms, name: ms ...}, the rule). ``untouched``:
+    stream=False diagnostics, checked to leave W/states as they were, timed too; ``mm``: also cuBLAS's wgrad
+    alone ("mm")."""
     rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
     ok = all(check_config(rule, w, dy_t, x, st, hp, None,
                           launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
              for c in cfgs.values())
+    untouched = untouched or {}
+    for c in untouched.values():
+        w1, st1 = w.clone(), [s.clone() for s in st]
+        wg.bound_launch(w1, dy_t, x, st1, hp, rule, config=c)()
+        ok &= torch.equal(w1, w) and all(torch.equal(a, b) for a, b in zip(st1, st) if a.dim())
     fn, _ = make_unfused(kind, rule, w, dy_t, x, st, hp)
     t = {"unfused": bench(fn)}
-    t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c))) for name, c in cfgs.items())
+    if mm:
+        t["mm"] = bench(lambda: wgrad_mm(dy_t, x))
+    t.update((name, bench(wg.bound_launch(w, dy_t, x, st, hp, rule, config=c)))
+             for name, c in {**cfgs, **untouched}.items())
     del w, dy_t, x, st
     torch.cuda.empty_cache()
     return ok, t, rule

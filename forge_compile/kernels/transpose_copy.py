@@ -22,14 +22,21 @@ _TILE = 64
 
 
 @triton.jit
-def _transpose_kernel(src_ptr, dst_ptr, R, C, LD, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
-    rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+def _copy_tile(src_ptr, dst_ptr, pr, pc, row0, R, C, LD, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+    # tile (pr, pc) of src [R, C] (row stride LD) into rows row0 + c of dst [*, R]
+    rr = pr * BR + tl.arange(0, BR)
+    cc = pc * BC + tl.arange(0, BC)
     if BIG:   # offsets may pass 2^31 elements
         rr = rr.to(tl.int64)
         cc = cc.to(tl.int64)
     tile = tl.load(src_ptr + rr[:, None] * LD + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < C))
-    tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < C) & (rr[None, :] < R))
+    tl.store(dst_ptr + (row0 + cc)[:, None] * R + rr[None, :], tl.trans(tile),
+             mask=(cc[:, None] < C) & (rr[None, :] < R))
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, R, C, LD, BR: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+    _copy_tile(src_ptr, dst_ptr, tl.program_id(0), tl.program_id(1), 0, R, C, LD, BR, BC, BIG)
 
 
 @triton.jit
@@ -38,22 +45,17 @@ def _transpose_pair_kernel(a_ptr, b_ptr, dst_ptr, R, CA, CB, LDA, LDB, BR: tl.co
     # dst [CA + CB, R]: rows [0, CA) = a^T, rows [CA, CA + CB) = b^T; column-tile programs of a, then of b
     pc = tl.program_id(1)
     na = tl.cdiv(CA, BC)
-    rr = tl.program_id(0) * BR + tl.arange(0, BR)
-    if BIG:
-        rr = rr.to(tl.int64)
     if pc < na:
-        cc = pc * BC + tl.arange(0, BC)
-        if BIG:
-            cc = cc.to(tl.int64)
-        tile = tl.load(a_ptr + rr[:, None] * LDA + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < CA))
-        tl.store(dst_ptr + cc[:, None] * R + rr[None, :], tl.trans(tile), mask=(cc[:, None] < CA) & (rr[None, :] < R))
+        _copy_tile(a_ptr, dst_ptr, tl.program_id(0), pc, 0, R, CA, LDA, BR, BC, BIG)
     else:
-        cc = (pc - na) * BC + tl.arange(0, BC)
-        if BIG:
-            cc = cc.to(tl.int64)
-        tile = tl.load(b_ptr + rr[:, None] * LDB + cc[None, :], mask=(rr[:, None] < R) & (cc[None, :] < CB))
-        tl.store(dst_ptr + (CA + cc)[:, None] * R + rr[None, :], tl.trans(tile),
-                 mask=(cc[:, None] < CB) & (rr[None, :] < R))
+        _copy_tile(b_ptr, dst_ptr, tl.program_id(0), pc - na, CA, R, CB, LDB, BR, BC, BIG)
+
+
+def _tiled(src: torch.Tensor) -> bool:
+    # the layouts the tiled kernels copy: [R, C] with unit column stride, on a GPU or under the interpreter
+    r, c = src.shape
+    return (src.numel() > 0 and (c <= 1 or src.stride(1) == 1) and src.stride(0) >= c
+            and (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 def transpose_copy_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +64,7 @@ def transpose_copy_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
     (TF32) path's dY^T and X^T (wgrad_update_gluon.kmajor_copies), where a second launch and allocation cost
     ~20 us of host per fused launch. Layouts transpose_copy does not tile, or a mixed pair, take it twice."""
     (r, ca), (rb, cb) = a.shape, b.shape
-    if (rb != r or a.dtype != b.dtype or a.device != b.device or a.numel() == 0 or b.numel() == 0
-            or (ca > 1 and a.stride(1) != 1) or (cb > 1 and b.stride(1) != 1) or a.stride(0) < ca
-            or b.stride(0) < cb or (not a.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")):
+    if rb != r or a.dtype != b.dtype or a.device != b.device or not (_tiled(a) and _tiled(b)):
         return transpose_copy(a), transpose_copy(b)
     buf = torch.empty((ca + cb, r), dtype=a.dtype, device=a.device)
     lda, ldb = a.stride(0), b.stride(0)
@@ -102,10 +102,9 @@ def transpose_copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.
         out = torch.empty((c, r), dtype=src.dtype, device=src.device)
     elif out.shape != (c, r) or out.dtype != src.dtype or out.device != src.device or not out.is_contiguous():
         raise ValueError(f"transpose_copy: out must be a contiguous [{c}, {r}] {src.dtype} tensor on {src.device}")
-    ld = src.stride(0)
-    if (src.numel() == 0 or (c > 1 and src.stride(1) != 1) or ld < c
-            or (not src.is_cuda and os.environ.get("TRITON_INTERPRET") != "1")):
+    if not _tiled(src):
         return out.copy_(src.t())
+    ld = src.stride(0)
     grid = (triton.cdiv(r, _TILE), triton.cdiv(c, _TILE))
     # element offsets up to the last tile's padded end, on either side
     big = max(grid[0] * _TILE * ld, grid[1] * _TILE * r) >= 2 ** 31

@@ -1035,18 +1035,19 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
         BMT: gl.constexpr = dy_desc.block_type.shape[1]
         BN: gl.constexpr = dy_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[0]
-        INK: gl.constexpr = 128 if BK > 128 else BK   # coop: n128 instructions (see below)
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                             instr_shape=[16, INK, 8])
     else:
         BMT: gl.constexpr = dy_desc.block_type.shape[0]
         BN: gl.constexpr = dy_desc.block_type.shape[1]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        # MMA_WARPS 8 (coop): two warpgroups, 64 rows of the tile each, as n128 instructions -- an n256 one needs
-        # its 128 accumulator registers at once and ptxas wants >= 154 at the launch's cap of 128 (16 warps)
-        IN: gl.constexpr = 128 if BK > 128 else BK
+    # MMA_WARPS 8 (coop): two warpgroups, 64 rows of the tile each, as n128 instructions -- an n256 one needs its
+    # 128 accumulator registers at once and ptxas wants >= 154 at the launch's cap of 128 (16 warps)
+    INK: gl.constexpr = 128 if BK > 128 else BK
+    if KMAJOR:   # tf32 wgmma's K of 8
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                             instr_shape=[16, IN, 16])
+                                                             instr_shape=[16, INK, 8])
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                             instr_shape=[16, INK, 16])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     ksteps = gl.cdiv(M, BMT)
@@ -2072,18 +2073,18 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
     kmajor = x.dtype == torch.float32
     if kmajor:
         # fp32 under TF32: tf32 wgmma takes K-major operands only and both of the wgrad's are token-major, so they
-        # are copied transposed (dY^T [N, M], X^T [K, M]; M*(N+K)*4 bytes, freed after the launch -- never kept by
-        # the launch memo, launch_wgrad_update) and the split kernel's loader reads [BN, BMT] / [BK, BMT] boxes
+        # are copied transposed (dY^T [N, M], X^T [K, M]; M*(N+K)*4 bytes, freed after the launch; the launch memo
+        # keeps a launch only under its copies' addresses, launch_wgrad_update) and the split kernel's loader
+        # reads [BN, BMT] / [BK, BMT] boxes
         if cfg.epi != "split":
             raise ValueError(f"forge: fp32 activations (TF32) run the Gluon 'split' kernel only, got {cfg.epi!r}")
         from .transpose_copy import transpose_copy
 
-        # xk: X's copy made once for several row slabs of one update (launch), or both copies made by the caller
-        # (kmajor_copies: the launch memo keys on their addresses)
+        # xk: X's copy made once for several row slabs of one update (_launch_slabs), or both copies made by the
+        # caller (kmajor_copies: the launch memo keys on their addresses)
         if dyk is None and xk is None:
             dyk, xk = kmajor_copies(dy_t, x)
         dyk = transpose_copy(dy_t.t()) if dyk is None else dyk
-        xk = transpose_copy(x) if xk is None else xk
         dy_desc = TensorDescriptor(dyk, [n, m], [m, 1], [cfg.bn, cfg.bmt], a_l)
         x_desc = TensorDescriptor(xk, [k, m], [m, 1], [cfg.bk, cfg.bmt], b_l)
     else:
@@ -2176,8 +2177,8 @@ def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, confi
 # fp32 (TF32) launches copy dY transposed ([N, M] fp32) right when the backward's activations peak (the lm_head's
 # update comes first): above this many bytes the update runs in row slabs whose copies stay under it (X^T is copied
 # once and shared). 128256x4096 lm_head at 8192 tokens: 4.2 GB of dY^T otherwise. 1 GiB: only such extreme shapes
-# take slabs while the slab path has not run on a GPU (its CPU test checks the bookkeeping; GPU test
-# tests/test_wgrad_update_tf32.py::test_tf32_slabs_exact, not run yet)
+# take slabs (GPU test tests/test_wgrad_update_tf32.py::test_tf32_slabs_exact, passed on an H100 in stop 30; the
+# slab launches are not memoized)
 TF32_SLAB_BYTES = 1024 * 1024 * 1024
 
 
