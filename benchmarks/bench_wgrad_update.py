@@ -633,15 +633,19 @@ def clocks_sweep(args, log):
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
             n_load = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
-            pick = wg.pick_for(m, n_load, 2, 0)
-            ok = check_config(rule, w, dy_t, x, st, hp, None,
-                              launch=lambda *a, **kw: wg.launch(*a, **kw, config=pick))[0]
+            # split_a2 / split_a1: fewer W/state chunks in flight per epilogue warpgroup (4 in the pick) -- the
+            # stream's burst rate lowered; faster at M >= 4096 would say that pacing the stream is a lever
+            cfgs = {"split": wg.pick_for(m, n_load, 2, 0), "split_a2": wg.split_config(ahead=2),
+                    "split_a1": wg.split_config(ahead=1)}
+            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
+                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
+                     for c in cfgs.values())
             all_ok &= ok
             if not ok:
                 log(f"CHECK FAILED: {kind} {n}x{k} M={m}")
                 continue
             fns = {"mm": lambda: wgrad_mm(dy_t, x), "unfused": make_unfused(kind, rule, w, dy_t, x, st, hp)[0],
-                   "split": wg.bound_launch(w, dy_t, x, st, hp, rule, config=pick),
+                   **{name: wg.bound_launch(w, dy_t, x, st, hp, rule, config=c) for name, c in cfgs.items()},
                    "split_off": wg.bound_launch(w.clone(), dy_t, x, [s.clone() for s in st], hp, rule,
                                                 config=wg.split_config(stream=False))}
             for name, fn in fns.items():
