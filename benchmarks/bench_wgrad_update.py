@@ -577,7 +577,7 @@ def coop_sweep(args, log):
 
 # ---- sustained clocks and power: is the fused kernel's gap to cuBLAS at M >= 4096 a power limit? ------------------
 
-CLOCK_CASES = [("adamw", 4096, 4096, (2048, 4096, 8192)), ("sgdm", 4096, 4096, (8192,))]
+CLOCK_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("sgdm", 4096, 4096, (8192,))]
 CLOCK_QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
