@@ -578,6 +578,16 @@ def coop_sweep(args, log):
 # ---- sustained clocks and power: is the fused kernel's gap to cuBLAS at M >= 4096 a power limit? ------------------
 
 CLOCK_CASES = [("adamw", 4096, 4096, (256, 1024, 2048, 4096, 8192)), ("sgdm", 4096, 4096, (8192,))]
+
+
+def parse_clock_cases(spec):
+    """--clock-cases "adamw:14336x4096:2048,8192;lion:4096x4096:2048" -> CLOCK_CASES' form."""
+    cases = []
+    for part in spec.split(";"):
+        kind, shape, ms = part.split(":")
+        n, k = (int(d) for d in shape.split("x"))
+        cases.append((kind, n, k, tuple(int(m) for m in ms.split(","))))
+    return cases
 CLOCK_QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -629,7 +639,7 @@ def clocks_sweep(args, log):
     all_ok, rows = True, []
     _, idle = _sustained(lambda: None, 1.0)
     log(f"idle: sm {med([float(v[0]) for v in idle]):.0f} MHz, power {med([float(v[2]) for v in idle]):.0f} W")
-    for kind, n, k, ms in CLOCK_CASES:
+    for kind, n, k, ms in (parse_clock_cases(args.clock_cases) if args.clock_cases else CLOCK_CASES):
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
             n_load = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
@@ -655,13 +665,14 @@ def clocks_sweep(args, log):
                        "sm_MHz": med([float(v[0]) for v in smp]), "min_sm_MHz": min((float(v[0]) for v in smp),
                                                                                      default=float("nan")),
                        "mem_MHz": med([float(v[1]) for v in smp]), "W": med([float(v[2]) for v in smp]),
+                       "mJ": t * med([float(v[2]) for v in smp]),
                        "C": med([float(v[3]) for v in smp]), "reasons": "/".join(reasons), "samples": len(smp)}
                 rows.append(row)
                 log(" | ".join(f"{key} {val:.4g}" if isinstance(val, float) else f"{key} {val}"
                                for key, val in row.items()))
             del w, dy_t, x, st, fns
             torch.cuda.empty_cache()
-    keys = ["case", "fn", "ms", "sm_MHz", "min_sm_MHz", "mem_MHz", "W", "C", "reasons", "samples"]
+    keys = ["case", "fn", "ms", "sm_MHz", "min_sm_MHz", "mem_MHz", "W", "mJ", "C", "reasons", "samples"]
     log("\n" + " ".join(f"{key:>18}" for key in keys))
     for r in rows:
         log(" ".join(f"{r[key]:>18.4g}" if isinstance(r[key], float) else f"{r[key]:>18}" for key in keys))
@@ -1354,6 +1365,8 @@ def main():
                     type=lambda v: [tuple(int(d) for d in s.split("x")) for s in v.split(",")],
                     help="--cases tf32: weight shapes NxK, comma-separated (e.g. 4096x4096,14336x4096,4096x14336)")
     ap.add_argument("--tf32-rules", default="adamw", help="--cases tf32: rules (adamw, sgdm, lion), comma-separated")
+    ap.add_argument("--clock-cases", default="",
+                    help='--cases clocks: "rule:NxK:M,M;..." instead of CLOCK_CASES (e.g. "adamw:14336x4096:2048,8192")')
     ap.add_argument("--tf32-all", action="store_true",
                     help="--cases tf32: also the Triton configs other than the pick (measured 2026-12-05)")
     ap.add_argument("--cases", default="final", choices=["final", "sweep", "all", "gluon", "rings", "vec",
