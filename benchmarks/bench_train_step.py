@@ -81,6 +81,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from gpu_power import PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
 ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
           "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
@@ -478,7 +479,10 @@ def run_worker(cfg: dict, res: dict) -> dict:
             cpu_thread, cpu_proc = time.thread_time(), time.process_time()
             threads0 = thread_cpu_snapshot()
             probe_us = []   # not ``probe``: that name holds make_step's gradient probe
-            with _gc_watch() as gcw:
+            power = PowerSampler() if cfg.get("power") else contextlib.nullcontext()
+            with power, _gc_watch() as gcw:
+                if cfg.get("power"):
+                    power.mark_start()
                 for (s, e), (x, y) in zip(ev, batches):
                     t0 = time.perf_counter()
                     s.record()
@@ -507,6 +511,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             times = [s.elapsed_time(e) for s, e in ev]
+            if cfg.get("power"):
+                res["power"] = power.summary()
         else:
             threads0 = thread_cpu_snapshot()
             for x, y in batches:
@@ -527,6 +533,15 @@ def run_worker(cfg: dict, res: dict) -> dict:
             raise RuntimeError(f"non-finite loss {last} in the timed steps")
     res["status"] = "ok"
     return res
+
+
+def _power_note(p):
+    """The notes column's power part: SM clock (median / lowest), power (the driver's reading, averaged over up to
+    ~1 s on recent drivers: read it for loops that long), the share of samples under the SW power cap."""
+    if not p:
+        return ""
+    return (f"; SM {p['sm_MHz']:.0f} MHz (min {p['min_sm_MHz']:.0f}), {p['W']:.0f} W, power-capped "
+            f"{p['capped']:.0%} of {p['samples']} samples")
 
 
 def _threads_record(before, n, stacks):
@@ -796,7 +811,7 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
                        adamw_fused=r.get("adamw_fused"), linear_weights=r["linear_weights"],
                        host_median_ms=r.get("host_median_ms"), wall_ms=r.get("wall_ms"),
                        thread_cpu_ms=r.get("thread_cpu_ms"), host_ms=r.get("host_ms"), gc=r.get("gc"),
-                       host_probe_us=r.get("host_probe_us"), ab_direct=r.get("ab_direct"),
+                       host_probe_us=r.get("host_probe_us"), ab_direct=r.get("ab_direct"), power=r.get("power"),
                        threads_cpu_ms_per_step=r.get("threads_cpu_ms_per_step"),
                        check_losses=r.get("check_losses"))
             if route in FORGE_ROUTES:
@@ -1001,6 +1016,7 @@ def render(cfg, analysis, results, header):
                         if r.get("gc") and sum(r["gc"]["count"]) else "")
                      + (f", host probe {min(r['host_probe_us']):.0f}-{max(r['host_probe_us']):.0f} us"
                         if r.get("host_probe_us") else "")
+                     + _power_note(r.get("power"))
                      + (f"; direct entry off/on (alternating steps) {r['ab_direct']['off'][0]:.2f} / "
                         f"{r['ab_direct']['on'][0]:.2f} ms, paired difference "
                         f"{r['ab_direct']['pair_diff_median_ms']:.2f} ms" if r.get("ab_direct") else "")
@@ -1063,6 +1079,9 @@ def parse_args(argv):
     p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
     p.add_argument("--host-probe", action="store_true",
                    help="time a fixed piece of host work after every timed step (host speed vs host work)")
+    p.add_argument("--power", action="store_true",
+                   help="CUDA: sample SM clock, power and throttle reasons with nvidia-smi during the timed steps "
+                        "(benchmarks/gpu_power.py): is the step power-capped? Take --iters large enough for >= 1 s")
     p.add_argument("--ab-direct", action="store_true",
                    help="forge routes: also time steps alternating launch_memo's direct C-launcher entry off/on")
     p.add_argument("--affinity", help="pin every run's process to these CPUs, e.g. 0-3 or 0,2 (Linux)")
@@ -1103,6 +1122,7 @@ def main(argv=None):
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
+               power=bool(args.power),
                inductor_options={**json.loads(args.inductor_options), **({"cpp_wrapper": True} if args.cpp_wrapper
                                                                           else {})})
     lines = []

@@ -63,6 +63,7 @@ from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels import wgrad_update_group as grp  # noqa: E402
 from forge_compile.kernels import wgrad_update_triton as wt  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
+from gpu_power import REASONS_HELP, PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
 BW, FLOPS = 4.27e12, 686e12
 FLOPS_FP32 = 67e12   # fp32 FMA (IEEE, no tensor cores): the H200 datasheet figure, not measured here
@@ -588,57 +589,40 @@ def parse_clock_cases(spec):
         n, k = (int(d) for d in shape.split("x"))
         cases.append((kind, n, k, tuple(int(m) for m in ms.split(","))))
     return cases
-CLOCK_QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def _sustained(fn, seconds):
-    """fn run back to back for ~seconds while nvidia-smi samples every 50 ms: (ms per call, samples [sm MHz, mem
-    MHz, W, C, reasons] taken while it ran, the first 0.3 s left out)."""
-    import subprocess
-    import threading
-    samples, t_run = [], [None, None]
-    proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={CLOCK_QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-    def reader():
-        for line in proc.stdout:
-            samples.append((time.time(), [f.strip() for f in line.split(",")]))
-    th = threading.Thread(target=reader, daemon=True)
-    th.start()
-    time.sleep(0.5)   # nvidia-smi's start
-    fn(); torch.cuda.synchronize()   # noqa: E702
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t_run[0] = time.time()
-    start.record()
-    calls = 0
-    while time.time() - t_run[0] < seconds:
-        for _ in range(20):
-            fn()
-        calls += 20
+    """fn run back to back for ~seconds beside gpu_power's sampler: (ms per call, its summary of the samples taken
+    while fn ran, the first 0.3 s left out)."""
+    with PowerSampler(skip_s=0.3) as ps:
+        fn(); torch.cuda.synchronize()   # noqa: E702
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ps.mark_start()
+        start.record()
+        calls = 0
+        while time.time() - ps.t_start < seconds:
+            for _ in range(20):
+                fn()
+            calls += 20
+            torch.cuda.synchronize()
+        end.record()
         torch.cuda.synchronize()
-    end.record()
-    torch.cuda.synchronize()
-    t_run[1] = time.time()
-    proc.terminate()
-    th.join(timeout=2)
-    taken = [v for t, v in samples if t_run[0] + 0.3 <= t <= t_run[1]]
-    return start.elapsed_time(end) / calls, taken
+    return start.elapsed_time(end) / calls, ps.summary()
 
 
 def clocks_sweep(args, log):
     """bf16, AdamW / SGD-momentum 4096x4096: cuBLAS's mm alone, the unfused step, the pick (split) and split with
     stream=False (its GEMM schedule alone), each run back to back for 2 s while nvidia-smi samples the SM clock,
-    memory clock, power and throttle reasons. The question (stop 31): the split kernel's GEMM schedule is at
+    memory clock, power and throttle reasons (benchmarks/gpu_power.py); mJ = ms x W. The question (stop 31): the split kernel's GEMM schedule is at
     cuBLAS speed (split_off/mm 0.98-1.04 at M=4096-8192, H100) but the full kernel is 14-24 % slower than mm there
     -- does the W/state stream next to the GEMM pull the SM clock down (power), or is the time lost at equal
     clocks (contention)? Checked like --cases coop (bit-exact vs eager on the stored dW) before it runs."""
-    def med(vals):
-        vals = sorted(vals)
-        return vals[len(vals) // 2] if vals else float("nan")
-
     all_ok, rows = True, []
     _, idle = _sustained(lambda: None, 1.0)
-    log(f"idle: sm {med([float(v[0]) for v in idle]):.0f} MHz, power {med([float(v[2]) for v in idle]):.0f} W")
+    if idle is None:
+        log("no nvidia-smi samples: --cases clocks needs nvidia-smi")
+        return False
+    log(f"idle: sm {idle['sm_MHz']:.0f} MHz, power {idle['W']:.0f} W")
     for kind, n, k, ms in (parse_clock_cases(args.clock_cases) if args.clock_cases else CLOCK_CASES):
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
@@ -660,24 +644,20 @@ def clocks_sweep(args, log):
                                                 config=wg.split_config(stream=False))}
             for name, fn in fns.items():
                 t, smp = _sustained(fn, 2.0)
-                reasons = sorted({v[4] for v in smp})
-                row = {"case": f"{kind} {n}x{k} {m}", "fn": name, "ms": t,
-                       "sm_MHz": med([float(v[0]) for v in smp]), "min_sm_MHz": min((float(v[0]) for v in smp),
-                                                                                     default=float("nan")),
-                       "mem_MHz": med([float(v[1]) for v in smp]), "W": med([float(v[2]) for v in smp]),
-                       "mJ": t * med([float(v[2]) for v in smp]),
-                       "C": med([float(v[3]) for v in smp]), "reasons": "/".join(reasons), "samples": len(smp)}
+                smp = smp or {}   # nvidia-smi gone mid-run: the time alone
+                row = {"case": f"{kind} {n}x{k} {m}", "fn": name, "ms": t, **smp,
+                       "mJ": t * smp.get("W", float("nan"))}
                 rows.append(row)
                 log(" | ".join(f"{key} {val:.4g}" if isinstance(val, float) else f"{key} {val}"
                                for key, val in row.items()))
             del w, dy_t, x, st, fns
             torch.cuda.empty_cache()
-    keys = ["case", "fn", "ms", "sm_MHz", "min_sm_MHz", "mem_MHz", "W", "mJ", "C", "reasons", "samples"]
+    keys = ["case", "fn", "ms", "sm_MHz", "min_sm_MHz", "mem_MHz", "W", "mJ", "C", "reasons", "capped", "samples"]
     log("\n" + " ".join(f"{key:>18}" for key in keys))
     for r in rows:
-        log(" ".join(f"{r[key]:>18.4g}" if isinstance(r[key], float) else f"{r[key]:>18}" for key in keys))
-    log("reasons: nvidia-smi clocks_throttle_reasons.active bitmask (0x1 idle, 0x4 sw power cap, 0x20 sw thermal, "
-        "0x40 hw thermal, 0x80 hw power brake)")
+        vals = [r.get(key, float("nan")) for key in keys]
+        log(" ".join(f"{v:>18.4g}" if isinstance(v, float) else f"{v:>18}" for v in vals))
+    log("reasons: " + REASONS_HELP + "; capped: the fraction of samples with the sw power cap")
     return all_ok
 
 

@@ -109,6 +109,20 @@ def test_host_diagnostics_reach_the_notes():
     assert bench._cpu_list("0-3,6") == {0, 1, 2, 3, 6}
 
 
+def test_power_samples_reach_the_notes():
+    # --power: the SM clock, power and capped share of the timed steps are in the row's notes (a capped step and
+    # an uncapped one are different regimes: RESULTS.md "Sustained clocks and power"); rows without it say nothing
+    step = _run("step", 2, 9, 80)
+    step["power"] = {"sm_MHz": 1440.0, "min_sm_MHz": 1305.0, "mem_MHz": 2619.0, "W": 688.4, "C": 57.0,
+                     "reasons": "0x4", "capped": 0.75, "samples": 8}
+    res = [_run("baseline", 2, 11, 100), step]
+    text = bench.render(CFG, bench.analyse(CFG, res), res, "header")
+    line = next(ln for ln in text.splitlines() if ln.startswith("| step ") and "compile step" in ln)
+    assert "SM 1440 MHz (min 1305), 688 W, power-capped 75% of 8 samples" in line
+    base = next(ln for ln in text.splitlines() if ln.startswith("| baseline ") and "compile step" in ln)
+    assert "power-capped" not in base
+
+
 def test_eager_route_is_a_reference_not_a_forge_route():
     # the eager route's row carries its loss drift against the baseline (the loss check's scale) but no fusion
     # column, no verdicts and no peak-drop claim
