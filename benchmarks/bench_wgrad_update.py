@@ -191,6 +191,35 @@ def check_config(rule, w, dy_t, x, st, hp, config, launch=None, tol=1e-5):
     return ok, rel, exact, w1
 
 
+def _log_table(log, rows, label, label_w, w):
+    """A sweep's closing table: ``rows`` of (first cell, {column: ms or ratio}), the columns of the first row."""
+    if not rows:
+        return
+    keys = list(rows[0][1])
+    log("\n" + f"{label:>{label_w}} " + " ".join(f"{key:>{w}}" for key in keys))
+    for first, t in rows:
+        log(f"{first:>{label_w}} " + " ".join(f"{t[key]:>{w}.4f}" for key in keys))
+
+
+def _split_pick(rule, m):
+    """The Gluon config a bf16 launch of ``rule`` picks at M = ``m`` without a side output (what a training step
+    runs): _prepare's pick for W and the rule's tensor states."""
+    return wg.pick_for(m, 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i)), 2, 0)
+
+
+def _check_gluon_configs(kind, n, k, m, rule, w, dy_t, x, st, hp, cfgs):
+    """Every Gluon config of ``cfgs`` checked (check_config: dW vs fp64, W/states bit-exact vs eager on the stored
+    dW); a failure is printed with which config and which part. True when all passed."""
+    ok = True
+    for name, c in cfgs.items():
+        ok_c, rel, exact, _ = check_config(rule, w, dy_t, x, st, hp, None,
+                                           launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))
+        if not ok_c:   # which config, and whether dW's error or the update failed
+            print(f"check failed: {kind} {n}x{k} M={m} {name}: dW rel err {rel:.2e}, update bit-exact {exact}")
+        ok &= ok_c
+    return ok
+
+
 def gluon_why(rule, w, dy_t, x, st):
     """None when the Gluon kernel can take this case (judged as under FORGE_WGRAD_KERNEL=gluon), else why not."""
     old = os.environ.get(wg.ENV)
@@ -523,10 +552,7 @@ def split_overlap_sweep(args, log):
             + ("" if ok and ok_g else " | CHECK FAILED"))
         del w, dy_t, x, st
         torch.cuda.empty_cache()
-    keys = list(rows[0][1])
-    log("\n" + f"{'M':>6} " + " ".join(f"{k:>10}" for k in keys))
-    for m, t in rows:
-        log(f"{m:>6} " + " ".join(f"{t[k]:>10.4f}" for k in keys))
+    _log_table(log, rows, "M", 6, 10)
     return all_ok
 
 
@@ -552,10 +578,8 @@ def coop_sweep(args, log):
     offs = {"split_off": wg.split_config(stream=False), "coop_off": wg.coop_config(stream=False)}
     all_ok, rows = True, []
     for kind, n, k, ms in COOP_CASES:
-        rule = rule_of(kind)
-        n_load = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
         for m in ms:
-            cfgs = {"split": wg.pick_for(m, n_load, 2, 0), "coop": wg.coop_config(),
+            cfgs = {"split": _split_pick(rule_of(kind), m), "coop": wg.coop_config(),
                     "coop_h": wg.coop_config(hoist=True), "coop_b64": wg.coop_config(bmt=64, stages=2)}
             ok, t, _ = _time_gluon_configs(kind, n, k, m, cfgs, bench, untouched=offs, mm=True)
             all_ok &= ok
@@ -568,11 +592,7 @@ def coop_sweep(args, log):
                 t[f"{c}/mm"] = t[c] / t["mm"]
             rows.append((f"{kind} {n}x{k} {m}", t))
             log(f"{kind} {n}x{k} M={m}: " + " | ".join(f"{key} {v:.4f}" for key, v in t.items()))
-    if rows:
-        keys = list(rows[0][1])
-        log("\n" + f"{'case':>22} " + " ".join(f"{key:>12}" for key in keys))
-        for name, t in rows:
-            log(f"{name:>22} " + " ".join(f"{t[key]:>12.4f}" for key in keys))
+    _log_table(log, rows, "case", 22, 12)
     return all_ok
 
 
@@ -626,14 +646,11 @@ def clocks_sweep(args, log):
     for kind, n, k, ms in (parse_clock_cases(args.clock_cases) if args.clock_cases else CLOCK_CASES):
         for m in ms:
             rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
-            n_load = 1 + sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
             # split_a2 / split_a1: fewer W/state chunks in flight per epilogue warpgroup (4 in the pick) -- the
             # stream's burst rate lowered; faster at M >= 4096 would say that pacing the stream is a lever
-            cfgs = {"split": wg.pick_for(m, n_load, 2, 0), "split_a2": wg.split_config(ahead=2),
+            cfgs = {"split": _split_pick(rule, m), "split_a2": wg.split_config(ahead=2),
                     "split_a1": wg.split_config(ahead=1)}
-            ok = all(check_config(rule, w, dy_t, x, st, hp, None,
-                                  launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))[0]
-                     for c in cfgs.values())
+            ok = _check_gluon_configs(kind, n, k, m, rule, w, dy_t, x, st, hp, cfgs)
             all_ok &= ok
             if not ok:
                 log(f"CHECK FAILED: {kind} {n}x{k} M={m}")
@@ -672,13 +689,7 @@ def _time_gluon_configs(kind, n, k, m, cfgs, bench, untouched=None, mm=False):
     stream=False diagnostics, checked to leave W/states as they were, timed too; ``mm``: also cuBLAS's wgrad
     alone ("mm")."""
     rule, w, dy_t, x, st, hp = make_inputs(kind, torch.bfloat16, n, k, m, seed=m)
-    ok = True
-    for name, c in cfgs.items():
-        ok_c, rel, exact, _ = check_config(rule, w, dy_t, x, st, hp, None,
-                                           launch=lambda *a, _c=c, **kw: wg.launch(*a, **kw, config=_c))
-        if not ok_c:   # which config, and whether dW's error or the update failed
-            print(f"check failed: {kind} {n}x{k} M={m} {name}: dW rel err {rel:.2e}, update bit-exact {exact}")
-        ok &= ok_c
+    ok = _check_gluon_configs(kind, n, k, m, rule, w, dy_t, x, st, hp, cfgs)
     untouched = untouched or {}
     for c in untouched.values():
         w1, st1 = w.clone(), [s.clone() for s in st]
@@ -1027,11 +1038,7 @@ def pdl_sweep(args, log):
             + ("" if ok else " | PDL CHECK FAILED"))
         del layers, chains
         torch.cuda.empty_cache()
-    if rows:
-        keys = list(rows[0][1])
-        log("\n" + f"{'M':>5} " + " ".join(f"{a:>11}" for a in keys))
-        for m, t in rows:
-            log(f"{m:>5} " + " ".join(f"{t[a]:>11.4f}" for a in keys))
+    _log_table(log, rows, "M", 5, 11)
     return all_ok
 
 
@@ -1119,10 +1126,7 @@ def math_sweep(args, log):
             t[f"ratio/{name}"] = t[f"adamw/{name}"] / t[f"adamw_lite/{name}"]
         rows.append((m, t))
         log(f"4096x4096 M={m}: " + " | ".join(f"{k} {v:.4f}" for k, v in t.items()))
-    keys = list(rows[0][1])
-    log("\n" + f"{'M':>6} " + " ".join(f"{k:>17}" for k in keys))
-    for m, t in rows:
-        log(f"{m:>6} " + " ".join(f"{t[k]:>17.4f}" for k in keys))
+    _log_table(log, rows, "M", 6, 17)
     return all_ok
 
 
