@@ -211,9 +211,11 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
                 f"forge refused AdamW(fused=True), using fused=False ({e})")
 
 
-def make_step(route, wl, opt, autocast, inductor_options=None):
-    """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route."""
+def make_step(route, wl, opt, autocast, inductor_options=None, clip=None):
+    """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route;
+    ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route."""
     io = dict(inductor_options or {})
+    params = list(wl.parameters())
     # *_group: the fused updates that read one input grouped into one launch (FORGE_BENCH_GROUP=width: the width
     # policy, passes/wgrad_update_group.py); *_pdl: the split kernels launched as programmatic dependents
     # (kernels/wgrad_update_gluon.use_pdl). This run's process only: every run is its own subprocess
@@ -227,6 +229,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
             with autocast():
                 loss = wl(x, y)
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -265,6 +269,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None):
         if probe["on"]:      # the gradients alive when opt.step() starts (host-side metadata only)
             probe["grad_bytes"] = sum(p.grad.nbytes for g in opt.param_groups for p in g["params"]
                                       if p.grad is not None)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -404,7 +410,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
         print(f"[{route} mb={mb}] note: {note}", flush=True)
     autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
-    step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"))
+    step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"), cfg.get("clip_grad_norm"))
 
     # Correctness steps: one fixed batch, the same in every route (CPU generator, then moved).
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -1079,6 +1085,8 @@ def parse_args(argv):
     p.add_argument("--reuse", action="store_true", help="reuse ok results of identical runs already in --out/runs")
     p.add_argument("--host-probe", action="store_true",
                    help="time a fixed piece of host work after every timed step (host speed vs host work)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                   help="every route clips: clip_grad_norm_(model.parameters(), MAX) between backward and opt.step()")
     p.add_argument("--power", action="store_true",
                    help="CUDA: sample SM clock, power and throttle reasons with nvidia-smi during the timed steps "
                         "(benchmarks/gpu_power.py): is the step power-capped? Take --iters large enough for >= 1 s")
@@ -1122,7 +1130,7 @@ def main(argv=None):
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
-               power=bool(args.power),
+               power=bool(args.power), clip_grad_norm=args.clip_grad_norm,
                inductor_options={**json.loads(args.inductor_options), **({"cpp_wrapper": True} if args.cpp_wrapper
                                                                           else {})})
     lines = []

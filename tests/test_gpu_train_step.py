@@ -202,3 +202,91 @@ def test_cuda_cast_weights_in_update_is_bitwise_the_same(cuda_graphs):
     assert counts.get("weight_casts_made") == 4 and counts.get("weight_casts_refreshed") == 1, counts
     for p in model.parameters():
         assert torch.equal(capture._WEIGHT_CASTS[p][torch.bfloat16][0], p.detach().bfloat16())
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_cuda_clip_grad_norm_fused_matches_eager(opt_name):
+    # clip_grad_norm_ in the step: the linear weights stay fused (norm from dY and X, the coefficient in the
+    # epilogue, read on the host once per step). bf16 autocast: torch's dW is rounded to bf16 before its norm and
+    # its update, forge's is not, so the two differ by about bf16's precision of the gradient; fp32 activations
+    # (TF32 off) compare the fused path itself.
+    make = {"adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+            "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)}[opt_name]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM().cuda(); ref = copy.deepcopy(model)
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+
+        def body(m, o):
+            def step(x, y):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = _loss(m(x), y)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+                o.step(); o.zero_grad()
+                return loss, norm
+            return step
+
+        fstep, rstep = forge.compile_train_step(body(model, opt)), body(ref, ref_opt)
+        for _ in range(4):
+            x, y = _lm_batch()
+            (_, n), (_, rn) = fstep(x, y), rstep(x, y)
+            assert rn > 0.2, "the test must clip"
+            torch.testing.assert_close(n, rn, rtol=2e-3 if autocast else 1e-5, atol=0)
+        rep = fstep.last_report
+        assert len(rep.fused) == 5 and all("clip_grad_norm_" in r.reason for r in rep.fused), str(rep)
+        # fp32: another summation order of dW (and of the norms), amplified by Adam over 4 steps, as in
+        # test_cuda_fp32_matches_eager. bf16: torch's dW is a bf16-rounded cuBLAS sum, forge's an fp32 one in another
+        # order: ~4e-3 relative per element, so SGD's clipped updates (<= lr x 0.1 per element) differ by ~1e-5 per
+        # step and Adam's (~lr each) by ~lr x 4e-3 -- except where a gradient element nearly cancels: there its sign
+        # can differ and one Adam step moves by up to 2 x lr (measured on an H100: one qkv element 5.9e-3 after 4
+        # steps, 11 of its 3072 elements above 3e-4; the unfused embedding 2 of 1280). So for bf16 Adam: all but 1 %
+        # (at least 4) elements within 3e-4, none beyond 2 x lr per step -- a loose check: the fp32 pass (<= 1e-4)
+        # and SGD are the tight ones;
+        # a missed clip moves SGD's weights (unclipped norms 2-10x the 0.1 limit) far beyond both.
+        lr = opt.param_groups[0]["lr"]
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            d = (a - b).abs()
+            if not autocast:
+                assert d.max().item() <= 1e-4, (name, d.max().item())
+            elif opt_name == "sgd":
+                assert d.max().item() <= 2e-3, (name, d.max().item())
+            else:
+                assert (d > 3e-4).sum().item() <= max(4, d.numel() // 100) and d.max().item() <= 2 * lr * 4, (
+                    name, (d > 3e-4).sum().item(), d.max().item())
+
+
+def test_cuda_clip_grad_norm_peak_memory():
+    # clipping keeps every dW off the peak too: the baseline clips its materialized fp32 dW (torch.compile forward
+    # + AdamW(fused=True)), forge computes each norm from dY and X in row blocks (<= 32 MiB at a time)
+    def peak(route, d=2048, layers=4, tokens=512):
+        torch.cuda.empty_cache()
+        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=(route == "baseline"))
+        fwd = torch.compile(model) if route == "baseline" else model
+
+        def body(x):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fwd(x).float().square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step(); opt.zero_grad(); return loss
+
+        step = forge.compile_train_step(body) if route == "forge" else body
+        x = torch.randn(tokens, d, device="cuda")
+        step(x); step(x)
+        if route == "forge":
+            assert len(step.last_report.fused) == layers, str(step.last_report)
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(x); torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, layers * d * d * 4
+
+    fused, dw = peak("forge")
+    base, _ = peak("baseline")
+    out = os.environ.get("FORGE_RESULTS")
+    if out:
+        with open(os.path.join(out, "gpu_peak_memory_clip.json"), "w") as f:
+            json.dump({"forge_step_peak_bytes": fused, "baseline_step_peak_bytes": base, "dW_bytes": dw}, f)
+    assert base >= dw and fused < 0.6 * dw, (fused, base, dw)

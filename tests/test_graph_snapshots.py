@@ -167,7 +167,7 @@ return [v11]""")
 
         def step(x, y):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()); loss.backward()
-            torch.nn.utils.clip_grad_norm_([model.block.up.weight], 1.0)
+            torch.nn.utils.clip_grad_value_([model.block.up.weight], 1.0)
             opt.step(); opt.zero_grad()
             return loss, model.block.down.weight.sum()
         g, rep = _rewritten(step, torch.randint(0, 10, (2, 5)), torch.randint(0, 10, (2, 5)))
@@ -180,10 +180,38 @@ model.block.qkv.weight: fused
 model.block.proj.weight: fused
 model.block.ln2.weight: not a matrix (normal path)
 model.block.ln2.bias: not a matrix (normal path)
-model.block.up.weight: gradient is modified in place by aten.mul_.Tensor before the update (e.g. clip_grad_norm_)
+model.block.up.weight: gradient is modified in place by aten.clamp_.default before the update (e.g. clip_grad_value_)
 model.block.up.bias: not a matrix (normal path)
 model.block.down.weight: W is read after its update (by aten.sum.default)
 model.block.down.bias: not a matrix (normal path)""")
+
+    def test_mlp_clip_grad_norm(self):
+        # clip_grad_norm_: each fused weight's norm from its dY and X (forge.wgrad_sqnorm), the coefficient copied
+        # to the host once (forge.host_scalar) and applied by the scaled rule in the update; the biases keep
+        # torch's norm and in-place scaling
+        model = MLP(4, 6, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad(); return loss
+        g, _ = _rewritten(step, torch.randn(2, 4), torch.randn(2, 3))
+        rows = "\n".join(ln for ln in g.splitlines() if any(k in ln for k in ("forge.", "norm", "mul_", "clamp")))
+        self.assertExpectedInline(rows, """\
+v17 = forge.wgrad_sqnorm(v14, in36)
+v19 = aten.linalg_vector_norm(v16, 2.0)
+v20 = forge.wgrad_sqnorm(v10, v2)
+v22 = aten.linalg_vector_norm(v12, 2.0)
+v24 = aten.linalg_vector_norm(v23, 2.0)
+v28 = aten.clamp(v27, None, 1.0)
+v29 = forge.host_scalar(v28)
+v30 = forge.wgrad_update_(in2, v10, v2, [in10, in11, in12], [in26, in27, in28, in29, in30, v29], 'grad_scaled(adamw[amsgrad=False,maximize=False,weight_decay=True])')
+v31 = forge.wgrad_update_(in0, v14, in36, [in4, in5, in6], [in16, in17, in18, in19, in20, v29], 'grad_scaled(adamw[amsgrad=False,maximize=False,weight_decay=True])')
+v32 = aten.mul_(v16, v28)
+v33 = aten.mul_(v12, v28)
+v34 = forge.apply_rule_(in1, v32, [in7, in8, in9], [in21, in22, in23, in24, in25], 'adamw[amsgrad=False,maximize=False,weight_decay=True]')
+v35 = forge.apply_rule_(in3, v33, [in13, in14, in15], [in31, in32, in33, in34, in35], 'adamw[amsgrad=False,maximize=False,weight_decay=True]')""")
 
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"

@@ -313,7 +313,8 @@ def test_interpreter_block_model(cpu_graphs):
 
 
 def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
-    # clip_grad_norm_ reads every gradient (those updates stay unfused: rule_update on the clipped gradient), a
+    # clip_grad_value_ clamps every gradient in place (those updates stay unfused: rule_update on the clipped
+    # gradient; clip_grad_norm_'s fused weights take their coefficient on the host, which blocks the replay), a
     # frozen parameter gets no update and no table row, two groups give two rules (the table is as wide as the
     # wider one); a fresh SGD momentum buffer starts with dampening 0 (a per-step scalar from the host)
     def run(recorder):
@@ -329,7 +330,7 @@ def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
         def step(x, y):
             loss = F.mse_loss(model(x), y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
             opt.step()
             opt.zero_grad()
             return loss

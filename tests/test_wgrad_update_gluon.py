@@ -19,7 +19,7 @@ from forge_compile.kernels import wgrad_update_gluon as wg  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
-from forge_compile.optim.rule import Rule, register_rule  # noqa: E402
+from forge_compile.optim.rule import Rule, grad_scaled_rule, register_rule  # noqa: E402
 
 
 def _adamw_fma(p, g, m, v, step, lr, beta1, beta2, eps, wd):
@@ -46,7 +46,7 @@ CLAMPY = register_rule(Rule("test_gluon_clampy", _clampy, states=("momentum_buff
 EXPY = register_rule(Rule("test_gluon_expy", lambda p, g, lr: (p - lr * torch.exp(g),), hparams=("lr",)))
 
 _HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "wd": 0.01, "momentum": 0.9,
-       "dampening": 0.1, "alpha": 0.99, "lr_decay": 0.01, "clip": 0.5}
+       "dampening": 0.1, "alpha": 0.99, "lr_decay": 0.01, "clip": 0.5, "grad_scale": 0.37}
 
 RULES = {
     "adamw": R.adamw_rule(),
@@ -55,10 +55,12 @@ RULES = {
     "rmsprop_cm": R.rmsprop_rule(centered=True, momentum=True),   # 3 tensor states: 5 arrays per slot with dW
     "adamw_fma": ADAMW_FMA,
     "clampy": CLAMPY,
+    "adamw_clip": grad_scaled_rule(R.adamw_rule()),   # clip_grad_norm_'s coefficient applied in the epilogue
 }
 CATALOGUE = [R.adamw_rule(), R.adam_rule(amsgrad=True, weight_decay=True), R.sgd_rule(),
              R.sgd_rule(momentum=True, nesterov=True, weight_decay=True), R.lion_rule(),
-             R.rmsprop_rule(centered=True, momentum=True), R.adagrad_rule(weight_decay=True), ADAMW_FMA, CLAMPY]
+             R.rmsprop_rule(centered=True, momentum=True), R.adagrad_rule(weight_decay=True), ADAMW_FMA, CLAMPY,
+             grad_scaled_rule(R.sgd_rule(momentum=True))]
 
 
 def _make(rule, n, k, m, dtype=torch.bfloat16, device="cpu", seed=1):

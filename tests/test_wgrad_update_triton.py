@@ -22,7 +22,7 @@ from matmul_precision import tf32 as _tf32  # noqa: E402
 from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import EpilogueUnsupported, compile_epilogue  # noqa: E402
 from forge_compile.kernels.wgrad_update import reference_wgrad_update, wgrad_update  # noqa: E402
-from forge_compile.optim.rule import Rule, register_rule  # noqa: E402
+from forge_compile.optim.rule import Rule, grad_scaled_rule, register_rule  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -73,15 +73,19 @@ def _catalogue_rules():
 
         rs = [cat.adamw_rule(), cat.adam_rule(amsgrad=True, weight_decay=True),
               cat.sgd_rule(momentum=True, nesterov=True, weight_decay=True), cat.lion_rule(),
-              cat.rmsprop_rule(centered=True, momentum=True), cat.adagrad_rule(weight_decay=True)]
+              cat.rmsprop_rule(centered=True, momentum=True), cat.adagrad_rule(weight_decay=True),
+              grad_scaled_rule(cat.adamw_rule())]
     except Exception:  # the catalogue is written in parallel; test it once it imports
         return []
     for r in rs:
-        HP.setdefault(r.name, tuple(_CAT_HP.get(h, 0.01) for h in r.hparams))
+        HP.setdefault(r.name, tuple(_CAT_HP.get(h, 0.37 if h == "grad_scale" else 0.01) for h in r.hparams))
     return rs
 
 
-RULES = [ADAMW, SGDM] + _catalogue_rules()
+# clip_grad_norm_'s coefficient applied in the epilogue (a 0.37 clip)
+SCALED = grad_scaled_rule(ADAMW)
+HP[SCALED.name] = HP[ADAMW.name] + (0.37,)
+RULES = [ADAMW, SGDM, SCALED] + _catalogue_rules()
 
 
 def _make(rule, n, k, m, dtype, device, seed=0):

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from ..optim import rules as _rules
-from ..optim.rule import Rule, get_rule
+from ..optim.rule import Rule, get_rule, scaled_base
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,26 @@ _FAST: dict[str, Optional[Callable]] = {}     # rule name -> plan, or None (gene
 _FAST_LOCK = threading.Lock()
 
 
+def _scaled(plan):
+    """``plan`` for ``grad_scaled_rule(base)``: the block's gradient (the caller's scratch) is multiplied by
+    grad_scale in place first -- the rule's ``grad * grad_scale``, the same fp32 multiply."""
+    def scaled_plan(s, h):
+        h = dict(h)
+        scale = h.pop("grad_scale")
+        block, scalars = plan(s, h)
+
+        def scaled_block(w, g, views, tmp):
+            g.mul_(scale)
+            block(w, g, views, tmp)
+        return scaled_block, scalars
+    return scaled_plan
+
+
 def _catalogue_plan(rule: Rule):
+    base = scaled_base(rule)
+    if base is not None:
+        plan = _catalogue_plan(base)
+        return None if plan is None else _scaled(plan)
     match = _NAME.match(rule.name)
     if match is None or match.group(1) not in _CATALOGUE:
         return None

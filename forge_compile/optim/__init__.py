@@ -1,5 +1,5 @@
 from .lion import Lion, RuleOptimizer
-from .rule import Rule, get_rule, register_rule
+from .rule import Rule, get_rule, grad_scaled_rule, register_rule
 from .rules import adagrad_rule, adam_rule, adamw_rule, lion_rule, rmsprop_rule, sgd_rule
 from .translate import (
     ParamPlan,
@@ -20,6 +20,7 @@ __all__ = [
     "adam_rule",
     "adamw_rule",
     "get_rule",
+    "grad_scaled_rule",
     "hparam_values",
     "lion_rule",
     "plan_optimizer",

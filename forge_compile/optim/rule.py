@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Rule", "register_rule", "get_rule", "apply_rule_"]
+__all__ = ["Rule", "register_rule", "get_rule", "apply_rule_", "grad_scaled_rule", "scaled_base"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,39 @@ def get_rule(name: str) -> Rule:
         return _RULES[name]
     except KeyError:
         raise KeyError(f"forge: no optimizer rule registered as {name!r}") from None
+
+
+_SCALED: dict[str, Rule] = {}      # base rule name -> its grad_scaled_rule
+_SCALED_BASE: dict[str, Rule] = {}  # scaled rule name -> base rule
+
+
+def grad_scaled_rule(base: Rule) -> Rule:
+    """``base`` applied to ``grad * grad_scale``: one more hyper-parameter, ``grad_scale``, last.
+
+    What ``clip_grad_norm_`` leaves for a fused update: it multiplies every gradient in place by one 0-dim fp32
+    coefficient (``g.mul_(clip_coef_clamped)``) before the optimizer reads it. Spelled inside the rule, the fused
+    kernels apply it to the fp32 dW tile in their epilogue -- one fp32 multiply per element, the value torch's
+    ``mul_`` computes -- so dW still never exists. The coefficient arrives as a float64 0-dim CPU tensor like every
+    hyper-parameter; it holds an fp32 value exactly, so the rule's type promotion multiplies by that fp32 value."""
+    with _LOCK:
+        rule = _SCALED.get(base.name)
+    if rule is not None:
+        return rule
+
+    def fn(param, grad, *xs):
+        return base.fn(param, grad * xs[-1], *xs[:-1])
+
+    fn.__name__ = fn.__qualname__ = f"grad_scaled_{base.name}"
+    rule = Rule(f"grad_scaled({base.name})", fn, base.states, base.scalar_states, base.hparams + ("grad_scale",))
+    with _LOCK:
+        rule = _SCALED.setdefault(base.name, rule)
+        _SCALED_BASE[rule.name] = base
+    return register_rule(rule)
+
+
+def scaled_base(rule: Rule):
+    """The rule ``rule`` was made from by ``grad_scaled_rule``, or None."""
+    return _SCALED_BASE.get(rule.name)
 
 
 # The per-parameter update op the capture emits. The pass matches it (with the mm feeding its grad)

@@ -101,6 +101,10 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
             return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
     for n in _updates(gm):
         rule = get_rule(_rule_of(n))
+        computed = [h for h in _states_hparams(n)[1] if isinstance(h, fx.Node) and h.op != "placeholder"]
+        if computed:
+            return (f"an update's hyper-parameter is computed by the step ({computed[0].target}: clip_grad_norm_'s "
+                    "coefficient, read on the host at every call)")
         try:
             compile_epilogue(rule, "cuda")
         except EpilogueUnsupported as e:

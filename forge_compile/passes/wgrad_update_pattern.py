@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 
 from .._compat import OpOverload, op_overload_name, op_schema
-from ..optim.rule import get_rule
+from ..kernels import wgrad_norm as _wgrad_norm  # noqa: F401  (registers forge::wgrad_sqnorm, forge::host_scalar)
+from ..optim.rule import get_rule, grad_scaled_rule
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -62,6 +63,8 @@ class _Match:
     chain: list          # gradient-path nodes from the producer's user to the apply's grad input
     transposed: bool     # dW == mm(...)^T
     emb: Optional[fx.Node] = None    # a tied weight: the embedding backward whose gradient dW adds (mm + emb)
+    scale: Optional[fx.Node] = None  # a 0-dim fp32 factor the gradient is multiplied by (clip_grad_norm_'s)
+    norms: tuple = ()                # L2 norms of the (unscaled) gradient, computed again from dY and X
 
     @property
     def embedding(self) -> bool:
@@ -96,7 +99,11 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     found = _walk(apply.args[1], apply, embeddings, True)
     if isinstance(found, str):
         return None, found
-    return _Match(apply, *found), ""
+    mm, chain, transposed, emb, scale, norms = found
+    if (scale is not None or norms) and (emb is not None or mm.target is _EMB_BACKWARD):
+        return None, ("an embedding's gradient is scaled or its norm read (clip_grad_norm_): only a matmul's dW is "
+                      "fused then")
+    return _Match(apply, mm, chain, transposed, emb, scale, tuple(norms)), ""
 
 
 def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
@@ -126,26 +133,66 @@ def _in_place(target) -> bool:
     return isinstance(target, OpOverload) and op_overload_name(target)[0].endswith("_")
 
 
+def _is_l2_norm(node: fx.Node, of: fx.Node) -> bool:
+    """``node`` is ``linalg_vector_norm(of, 2)`` over all elements (what clip_grad_norm_ and ``g.norm()`` trace to)."""
+    if node.op != "call_function" or node.target is not aten.linalg_vector_norm.default or node.args[0] is not of:
+        return False
+    ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+    rest = list(node.args[2:]) + [v for k, v in node.kwargs.items() if k != "ord"]
+    v = _meta(of)
+    return (ord_ == 2 and all(r in (None, False) for r in rest) and v is not None and v.dtype == torch.float32)
+
+
+def _grad_scale(node: fx.Node, cur: fx.Node) -> Optional[fx.Node]:
+    """The 0-dim fp32 factor of ``node`` = ``cur * factor`` (in place or not; clip_grad_norm_'s ``g.mul_(coef)``),
+    or None."""
+    if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
+        return None
+    if node.args[0] is not cur or not isinstance(node.args[1], fx.Node) or node.args[1] is cur:
+        return None
+    f, g = _meta(node.args[1]), _meta(cur)
+    if f is None or g is None or f.dim() != 0 or f.dtype != torch.float32 or g.dtype != torch.float32:
+        return None
+    return node.args[1]
+
+
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
-    (producer, chain, transposed, embedding backward added to it or None), or the reason there is none."""
+    (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers),
+    or the reason there is none. Besides the path, a node may be read by L2 norms (clip_grad_norm_, a logged
+    gradient norm) when it holds the unscaled gradient; one multiplication by a 0-dim fp32 factor (clip_grad_norm_'s
+    in-place ``mul_``) is taken into the update (``optim.rule.grad_scaled_rule``)."""
     chain = []
     transposed = False
+    scale, norms, scaled_norm = None, [], False
     while True:
         if not isinstance(cur, fx.Node):
             return "gradient is not a graph value"
         others = [u for u in cur.users if u is not consumer]
+        if others and all(_is_l2_norm(u, cur) for u in others):
+            norms += others
+            scaled_norm = scaled_norm or scale is None   # read before the walk met a scale: a scaled value
+            others = []
         if others and all(_only_returned(u) for u in others):
             return ("gradient outlives the step (left in .grad -- opt.zero_grad() before backward instead of after "
                     "opt.step() -- or returned); zero the gradients after the step to fuse it")
         if others:
             return (f"gradient is also read by {_describe_users(cur, consumer)} "
-                    "(e.g. clip_grad_norm_ or a logged gradient norm)")
-        if cur.target is aten.mm.default:
-            return cur, chain, transposed, None
-        if embeddings and cur.target is _EMB_BACKWARD:
+                    "(e.g. clip_grad_norm_(foreach=True), a gradient statistic other than its L2 norm)")
+        if cur.target is aten.mm.default or (embeddings and cur.target is _EMB_BACKWARD):
+            if scale is not None and scaled_norm:
+                return "the norm of the scaled gradient is read (after clip_grad_norm_'s scaling)"
+            if cur.target is aten.mm.default:
+                return cur, chain, transposed, None, scale, norms
             why = _emb_reason(cur, transposed)
-            return why if why else (cur, chain, False, None)
+            return why if why else (cur, chain, False, None, scale, norms)
+        if cur.op == "call_function" and (f := _grad_scale(cur, cur.args[0] if cur.args else None)) is not None:
+            if scale is not None:
+                return "gradient is scaled twice before the update"
+            scale = f
+            chain.append(cur)
+            consumer, cur = cur, cur.args[0]
+            continue
         if cur.op == "call_function" and _in_place(cur.target) and cur.target not in _UPCASTS:
             if cur.target is aten.add_.Tensor and any(isinstance(a, fx.Node) and a.op == "placeholder"
                                                       for a in cur.args[:2]):
@@ -154,7 +201,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if cur.target is aten.add_.Tensor and any(_from_matmul(a) for a in cur.args[:2]):
                 return ("gradient sums several backward passes (accumulation inside the step): fusing it would keep "
                         "each pass's dY and X until the last one; not supported")
-            return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_norm_)"
+            return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_value_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
         elif cur.target in _IDENTITIES:
@@ -171,7 +218,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if isinstance(tied, str):
                 return tied
             mm, mm_chain, mm_t, emb, emb_chain = tied
-            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb
+            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale, norms
         elif cur.op == "placeholder":
             return "gradient is a graph input"
         else:
@@ -187,13 +234,13 @@ def _tied_sum(add: fx.Node, allowed: bool, transposed: bool):
     if not allowed or len(add.args) != 2 or add.kwargs:
         return several
     sides = [_walk(a, add, True, False) for a in add.args]
-    if any(isinstance(x, str) for x in sides):
+    if any(isinstance(x, str) or x[4] is not None or x[5] for x in sides):
         return several
     by_kind = {("emb" if x[0].target is _EMB_BACKWARD else "mm"): x for x in sides}
     if set(by_kind) != {"mm", "emb"}:
         return several + ": not one matmul plus one embedding"
-    mm, mm_chain, mm_t, _ = by_kind["mm"]
-    emb, emb_chain, emb_t, _ = by_kind["emb"]
+    mm, mm_chain, mm_t = by_kind["mm"][:3]
+    emb, emb_chain, emb_t = by_kind["emb"][:3]
     why = _emb_reason(emb, transposed != emb_t)
     if why:
         return why
@@ -317,6 +364,13 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
             return False, why, None
     if not match.embedding and (a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype):
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
+    if match.scale is not None:
+        mul = _scale_node(match)
+        # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of
+        # it) reads: only norms before it are of the unscaled gradient that the norm op computes again
+        if mul.target is aten.mul_.Tensor and any(order[nn] > order[mul] for nn in match.norms):
+            return False, "a gradient norm is read after the gradient was scaled in place", None
+        rule = grad_scaled_rule(rule)
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
 
@@ -347,9 +401,14 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     if after_copies:
         copies = _derived(w_alias, elementwise=False)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
-    anchor = max([match.mm] + ([match.emb] if match.emb is not None else []) + before, key=lambda n: order[n])
+    anchor = max([match.mm] + ([match.emb] if match.emb is not None else []) + before
+                 + ([match.scale] if match.scale is not None else []), key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
+
+
+def _scale_node(match: _Match) -> fx.Node:
+    return next(n for n in match.chain if n.target in (aten.mul.Tensor, aten.mul_.Tensor) and n.args[1] is match.scale)
 
 
 def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False,
@@ -391,12 +450,27 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         # fused rows say how when it is not the plain matmul case
         how = ("embedding: gradient rows of the tokens seen, no dense gradient" if match.embedding else
                "tied: the output matmul's dW + the embedding's rows" if match.emb is not None else "")
+        if match.scale is not None or match.norms:
+            how = ", ".join(
+                (["gradient scaled in the update (clip_grad_norm_)"] if match.scale is not None else [])
+                + ([f"its norm computed from dY and X ({len(match.norms)} reader{'s' * (len(match.norms) > 1)})"]
+                   if match.norms else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
+    host_scales = {}
     for match, anchor in rewrites:
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
+        for nn in match.norms:
+            _replace_norm(graph, nn, match.mm)
+        if match.scale is not None:
+            if match.scale not in host_scales:
+                host_scales[match.scale] = _host_scale(graph, match.scale, hparams)
+            hs = host_scales[match.scale]
+            # the fused op goes after the host copy of the factor; that copy sits right after the factor
+            anchor = hs if anchor is match.scale else anchor
+            apply.args = (weight, apply.args[1], states, list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name)
         if match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
             with graph.inserting_after(anchor):
@@ -441,6 +515,33 @@ def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
             "fused AdamW, IEEE fp32 (torch's default) 0.92-1.44x at 256-8192 tokens; under TF32 "
             "(set_float32_matmul_precision('high')) on Hopper 1.20-1.45x (H100), elsewhere 0.40-0.58x; end to end "
             "an fp32 TF32 step measured 1.08-1.09x, the bf16 autocast one 1.17-1.20x (benchmarks/RESULTS.md)")
+
+
+def _replace_norm(graph: fx.Graph, norm: fx.Node, mm: fx.Node) -> None:
+    """``linalg_vector_norm(dW)`` -> ``sqrt(forge::wgrad_sqnorm(mm's operands))``: the norm of ``mm``'s product
+    (transposes and views do not change it), without the product."""
+    with graph.inserting_before(norm):
+        sq = graph.call_function(torch.ops.forge.wgrad_sqnorm.default, tuple(mm.args[:2]))
+        root = graph.call_function(aten.sqrt.default, (sq,))
+    for n in (sq, root):
+        if "val" in norm.meta:
+            n.meta["val"] = norm.meta["val"]
+        n.meta["forge"] = "wgrad_norm"
+    norm.replace_all_uses_with(root)
+    graph.erase_node(norm)
+    counters["norm_from_operands"] += 1
+
+
+def _host_scale(graph: fx.Graph, scale: fx.Node, hparams) -> fx.Node:
+    """The factor as a float64 0-dim CPU tensor (a hyper-parameter of the scaled rule), right after it."""
+    with graph.inserting_after(scale):
+        hs = graph.call_function(torch.ops.forge.host_scalar.default, (scale,))
+    like = next((_meta(h) for h in hparams if _meta(h) is not None), None)
+    if like is not None:
+        hs.meta["val"] = like
+    hs.meta["forge"] = "wgrad_update"
+    counters["grad_scaled"] += 1
+    return hs
 
 
 def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node) -> None:

@@ -1,0 +1,216 @@
+"""clip_grad_norm_ inside compile_train_step: fused weights keep dW unmaterialized.
+
+The pass replaces each fused weight's gradient norm by ``sqrt(forge::wgrad_sqnorm(dY, X))`` (row blocks of dW, one at
+a time) and folds the in-place ``g.mul_(coef)`` into the update (``grad_scaled_rule``: the epilogue multiplies the
+fp32 dW tile by the coefficient). Compared here with the same model clipped and trained eagerly.
+
+Tolerances: the norms are sums of squares over another summation order than torch's ``vector_norm`` of a dW that was
+itself summed in another order, so the clip coefficient differs by a few fp32 ulps; through Adam's 1/sqrt(v) over 4
+steps that stays far below test_compile_train_step's RTOL (1e-5), which these tests reuse. A clip that is wrong by
+a factor (a missed coefficient, a norm of the wrong tensor) moves the weights by > 1e-3.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forge_compile as forge
+from forge_compile.kernels.wgrad_norm import reference_wgrad_sqnorm, wgrad_sqnorm
+from forge_compile.optim import rules as R
+from forge_compile.optim.rule import grad_scaled_rule
+from models import MLP, TinyLM
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_bytes", [4 * 23 * 5, 4 * 23 * 64, 1 << 25], ids=["5rows", "37rows", "one"])
+def test_wgrad_sqnorm_row_blocks(dtype, block_bytes):
+    gen = torch.Generator().manual_seed(0)
+    dy = torch.randn(50, 37, generator=gen).to(dtype)
+    x = torch.randn(50, 23, generator=gen).to(dtype)
+    got = wgrad_sqnorm(dy.t(), x, block_bytes=block_bytes)
+    want = reference_wgrad_sqnorm(dy.t(), x)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # and torch's own norm of the materialized fp32 gradient
+    dw = dy.t().float() @ x.float()
+    torch.testing.assert_close(got.sqrt(), torch.linalg.vector_norm(dw), rtol=1e-6, atol=0)
+
+
+def test_wgrad_sqnorm_op_and_shape_check():
+    dy, x = torch.randn(8, 6), torch.randn(8, 4)
+    torch.testing.assert_close(torch.ops.forge.wgrad_sqnorm(dy.t(), x), reference_wgrad_sqnorm(dy.t(), x),
+                               rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="do not compose"):
+        wgrad_sqnorm(dy, x.t())
+
+
+@pytest.mark.parametrize("base", [R.adamw_rule(), R.sgd_rule(momentum=True, nesterov=True), R.lion_rule()],
+                         ids=lambda r: r.name)
+def test_grad_scaled_rule_is_the_base_rule_on_the_scaled_gradient(base):
+    rule = grad_scaled_rule(base)
+    assert grad_scaled_rule(base) is rule and rule.hparams == base.hparams + ("grad_scale",)
+    gen = torch.Generator().manual_seed(1)
+    p, g = torch.randn(5, 7, generator=gen), torch.randn(5, 7, generator=gen)
+    states = [torch.tensor(3.0) if base.is_scalar_state(i) else torch.rand(5, 7, generator=gen)
+              for i in range(len(base.states))]
+    hp = [torch.tensor(0.1 * (i + 1), dtype=torch.float64) for i in range(len(base.hparams))]
+    coef = torch.tensor(0.3712, dtype=torch.float32)
+    got = rule.fn(p, g, *states, *hp, coef.double())
+    want = base.fn(p, g * coef, *states, *hp)      # clip_grad_norm_'s g.mul_(coef), then the update
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def _clip_step(model, opt, max_norm, loss_fn):
+    def step(x, y):
+        loss = loss_fn(model(x), y); loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step(); opt.zero_grad()
+        return loss, norm
+    return step
+
+
+def _mlp_data(steps):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(12, 16, generator=gen), torch.randn(12, 8, generator=gen)) for _ in range(steps)]
+
+
+def _lm_data(steps):
+    gen = torch.Generator().manual_seed(4)
+    return [(torch.randint(0, 40, (2, 6), generator=gen), torch.randint(0, 40, (2, 6), generator=gen))
+            for _ in range(steps)]
+
+
+def _lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "lion": lambda p: forge.optim.Lion(p, lr=1e-3, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("max_norm", [0.2, 1e4], ids=["clipping", "not_clipping"])
+@pytest.mark.parametrize("model_name", ["mlp", "tiny_lm"])
+def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
+    torch.manual_seed(0)
+    if model_name == "mlp":
+        model, data, loss_fn = MLP(), _mlp_data(4), F.mse_loss
+    else:
+        model, data, loss_fn = TinyLM(vocab=40, d=32), _lm_data(4), _lm_loss
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+    fstep = forge.compile_train_step(_clip_step(model, opt, max_norm, loss_fn))
+    rstep = _clip_step(ref, ref_opt, max_norm, loss_fn)
+    for x, y in data:
+        (loss, norm), (rloss, rnorm) = fstep(x, y), rstep(x, y)
+        torch.testing.assert_close(loss, rloss.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(norm, rnorm, rtol=RTOL, atol=ATOL)
+        if max_norm < 1:  # coefficient <= 2/3; not so small that Adam sees gradients near its eps (there a
+            # gradient element that cancels to ~0 in either summation order moves the update by ~lr x its relative error)
+            assert rnorm > max_norm * 1.5, "the test must clip: the coefficient is then well below 1"
+    # AdamW: atol 1e-5 (1e-3 x lr). With the clip scaling gradients down, TinyLM's down.weight[9, 15] (a GELU
+    # output near 0 times dY) is a gradient a few 1e4 x eps, where Adam's update moves by ~lr x the gradient's
+    # relative error; Inductor's GELU computes that tiny value ~1e-3 apart from eager's, so the compiled step
+    # differs from eager by 3.3e-6 there with fusion off too (compile_train_step(fuse=False)). A missed or wrong
+    # coefficient moves SGD's weights by far more than ATOL (Adam's update is nearly invariant to a gradient scale).
+    atol = 1e-5 if opt_name == "adamw" else ATOL
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"param {n}: {m}")
+    rep = fstep.last_report
+    weights = [r for r in rep.rows if r.name.endswith("weight") and len(r.shape) == 2]
+    assert weights and all(r.fused for r in weights if "emb" not in r.name), str(rep)
+    assert all("clip_grad_norm_" in r.reason for r in weights if "emb" not in r.name), str(rep)
+
+
+def test_logged_gradient_norm_is_computed_without_dw():
+    # a gradient norm read for logging, no clipping: fused, the norm from dY and X
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def make(m, o):
+        def step(x, y):
+            loss = F.mse_loss(m(x), y); loss.backward()
+            gn = m.fc1.weight.grad.norm()
+            o.step(); o.zero_grad()
+            return loss, gn
+        return step
+
+    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    for x, y in _mlp_data(3):
+        (_, gn), (_, rgn) = fstep(x, y), rstep(x, y)
+        torch.testing.assert_close(gn, rgn, rtol=RTOL, atol=ATOL)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    row = fstep.last_report.row("m.fc1.weight")
+    assert row.fused and "norm computed from dY and X" in row.reason, str(fstep.last_report)
+
+
+def test_clip_over_some_parameters_only():
+    # clipping a subset: the clipped weights get the scaled rule, the others the plain one
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+
+    def make(m, o):
+        def step(x, y):
+            loss = F.mse_loss(m(x), y); loss.backward()
+            torch.nn.utils.clip_grad_norm_([m.fc2.weight, m.fc2.bias], 0.01)
+            o.step(); o.zero_grad()
+            return loss
+        return step
+
+    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    for x, y in _mlp_data(3):
+        fstep(x, y), rstep(x, y)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    rep = fstep.last_report
+    assert rep.row("m.fc2.weight").fused and "clip_grad_norm_" in rep.row("m.fc2.weight").reason, str(rep)
+    assert rep.row("m.fc1.weight").fused and rep.row("m.fc1.weight").reason == "", str(rep)
+
+
+def test_clip_foreach_true_stays_unfused_and_exact():
+    # clip_grad_norm_(foreach=True) traces to _foreach_norm / _foreach_mul_, which the pass does not take apart:
+    # unfused with the reason (on CPU foreach=True raises in torch itself, so this builds the same ops by hand)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        loss = F.mse_loss(model(x), y); loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        torch._foreach_mul_(grads, torch.clamp(1.0 / (total + 1e-6), max=1.0))
+        opt.step(); opt.zero_grad()
+        return loss
+
+    rep = forge.explain(step, *_mlp_data(1)[0])
+    row = rep.row("model.fc1.weight")
+    assert not row.fused and "_foreach" in row.reason, str(rep)
+
+
+def test_cuda_graphs_note_when_the_step_clips():
+    # the coefficient reaches the fused kernels as a host value: no CUDA-graph replay, and the report says why
+    # (judged for a CPU "graph device", as tests/test_graph_snapshots.py does)
+    from forge_compile import step_graph as sg
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sg.GRAPH_DEVICE[0] = "cpu"
+    try:
+        rep = forge.compile_train_step(_clip_step(model, opt, 0.1, F.mse_loss), cuda_graphs=True).explain(
+            *_mlp_data(1)[0])
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
+    assert any("not replayed" in n and "clip_grad_norm_" in n for n in rep.notes), rep.notes
