@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
-from .optim.rule import decompose_apply_rule
+from .optim.rule import decompose_apply_rule, grad_scaled_rule
 from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               plan_and_structure_key, prepare_states)
@@ -212,6 +212,10 @@ def _no_hparam_writes(optimizers):
         raise _hparam_write_error(", ".join(changed))
 
 
+# a clipping update's grad_scale in its table row until the step writes the coefficient over it on the device
+_ONE64 = torch.ones((), dtype=torch.float64)
+
+
 @dataclasses.dataclass
 class _Compiled:
     fn: object
@@ -222,6 +226,7 @@ class _Compiled:
     graph: StepGraph | None = None     # cuda_graphs: the replayed step (fn's last input is ``table``)
     table: torch.Tensor | None = None  # cuda_graphs: the scalar table, row r for plan ``table_plans[r]``
     table_plans: tuple = ()
+    table_scaled: frozenset = frozenset()  # rows of fused updates that clip: filled for grad_scaled_rule(rule)
     casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
     grads_in: tuple = ()     # parameter indices whose incoming .grad the step reads (its last inputs)
     grads_cleared: tuple = ()    # parameter indices whose incoming .grad the step drops (zero_grad() first)
@@ -533,10 +538,14 @@ class CompiledTrainStep:
             report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {blocker}")
             log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)
             return None
-        table_plans, width = use_scalar_table(gm, plan_of)
+        scaled_rows: set = set()
+        table_plans, width = use_scalar_table(gm, plan_of, scaled_rows)
         report.notes.append(f"cuda_graphs: replayed as one CUDA graph; {len(table_plans)} updates read their "
                             "step-dependent scalars from a device table written before each replay")
-        return table_plans, width
+        if scaled_rows:
+            report.notes.append(f"cuda_graphs: {len(scaled_rows)} fused updates read clip_grad_norm_'s coefficient "
+                                "from their table row, written there on the device by the step")
+        return table_plans, width, frozenset(scaled_rows)
 
     def _prepare(self):
         modules, optimizers = self._targets()
@@ -671,7 +680,9 @@ class CompiledTrainStep:
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
-            fill_table(entry.table, [(plans[i][1].rule, states[i], hparams[i]) for i in entry.table_plans])
+            fill_table(entry.table, [(grad_scaled_rule(plans[i][1].rule), states[i], list(hparams[i]) + [_ONE64])
+                                     if r in entry.table_scaled else (plans[i][1].rule, states[i], hparams[i])
+                                     for r, i in enumerate(entry.table_plans)])
             outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
         if entry.casts:
@@ -701,7 +712,7 @@ class CompiledTrainStep:
         if out_info["table"] is None:
             gm = _decompose_remaining_updates(gm, flat)
         else:    # every update reads the table: nothing left to decompose
-            table_plans, width = out_info["table"]
+            table_plans, width, scaled_rows = out_info["table"]
             table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
         _compat.reset_reinplace_counters()
         # the user's Inductor options first, forge's required settings over them; buffers freed at their last
@@ -723,6 +734,7 @@ class CompiledTrainStep:
             n_static = len(flat) - len(arg_tensors)
             entry.graph = StepGraph(compiled, range(n_static, len(flat)))
             entry.table, entry.table_plans = table, tuple(table_plans)
+            entry.table_scaled = scaled_rows
         self._cache[key] = entry
         self.compile_count += 1
         counters["compiles"] += 1

@@ -199,9 +199,9 @@ def test_clip_foreach_true_stays_unfused_and_exact():
     assert not row.fused and "_foreach" in row.reason, str(rep)
 
 
-def test_cuda_graphs_note_when_the_step_clips():
-    # the coefficient reaches the fused kernels as a host value: no CUDA-graph replay, and the report says why
-    # (judged for a CPU "graph device", as tests/test_graph_snapshots.py does)
+def test_cuda_graphs_replay_a_clipping_step():
+    # judged for a CPU "graph device" (as tests/test_graph_snapshots.py does): the fused updates read the coefficient
+    # from their table row, where the step writes it on the device (select_scatter), no host copy left
     from forge_compile import step_graph as sg
 
     torch.manual_seed(0)
@@ -213,4 +213,19 @@ def test_cuda_graphs_note_when_the_step_clips():
             *_mlp_data(1)[0])
     finally:
         sg.GRAPH_DEVICE[0] = "cuda"
-    assert any("not replayed" in n and "clip_grad_norm_" in n for n in rep.notes), rep.notes
+    assert any("replayed as one CUDA graph; 4 updates" in n for n in rep.notes), rep.notes
+    assert any("2 fused updates read clip_grad_norm_'s coefficient" in n for n in rep.notes), rep.notes
+
+
+def test_grad_scale_column_holds_the_coefficient():
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    from forge_compile.passes.scalar_table import grad_scale_column
+
+    for base in (R.adamw_rule(), R.sgd_rule(momentum=True), R.lion_rule()):
+        rule = grad_scaled_rule(base)
+        col = grad_scale_column(rule)
+        ep = compile_epilogue(rule, "cuda")
+        hp = [torch.tensor(0.25, dtype=torch.float64)] * len(base.hparams) + [torch.tensor(0.6, dtype=torch.float64)]
+        ks = ep.run_host([torch.tensor(2.0) for _ in range(ep.n_scalar_states)], hp)[0]
+        assert ks[col] == float(torch.tensor(0.6, dtype=torch.float32))
+        assert ep.n_kernel_scalars == compile_epilogue(base, "cuda").n_kernel_scalars + 1

@@ -345,6 +345,45 @@ def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
     _same_state(m1, o1, m2, o2)
 
 
+def test_interpreter_clip_grad_norm_replayed(cpu_graphs):
+    # clip_grad_norm_ keeps the weights fused and the step replayable: each fused update reads the coefficient from
+    # its table row, where the step writes it on the device. Replayed == the table path run eagerly (bitwise), and
+    # both train like eager torch (SGD: a missing or misplaced coefficient moves the weights by far more than 1e-5)
+    def run(recorder):
+        sg.RECORDER[0] = recorder
+        torch.manual_seed(0)
+        model = MLP()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+
+        def body(m, o):
+            def step(x, y):
+                loss = F.mse_loss(m(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                o.step()
+                o.zero_grad()
+                return loss
+            return step
+
+        step = forge.compile_train_step(body(model, opt), cuda_graphs=True)
+        losses = []
+        for x, y in _batches(5, (8, 16), (8, 8), "cpu"):
+            losses.append(step(x, y).item())
+            body(ref, ref_opt)(x, y)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        return model, opt, losses, step.last_report
+
+    m1, o1, l1, rep = run(rerun_recorder)
+    m2, o2, l2, _ = run(_failing_recorder)
+    assert any("replayed as one CUDA graph; 4 updates" in n for n in rep.notes), rep.notes
+    assert any("read clip_grad_norm_'s coefficient" in n for n in rep.notes), rep.notes
+    assert all(r.fused for r in rep.rows if r.name.endswith("weight")), str(rep)
+    assert l1 == l2
+    _same_state(m1, o1, m2, o2)
+
+
 # ---- CUDA: real graphs --------------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -394,4 +433,39 @@ def test_cuda_replayed_step_close_to_unreplayed_route():
     _train(m1, o1, True, batches)
     _train(m2, o2, False, batches)
     for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@cuda
+def test_cuda_replayed_clipping_step_trains_like_eager():
+    # a real CUDA graph of a step that clips: the coefficient is computed and written into the table rows inside the
+    # graph. fp32 activations, TF32 off: against eager torch (SGD with momentum: scale-sensitive), as
+    # tests/test_gpu_train_step.py's fp32 comparisons
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = MLP(64, 128, 32).cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+
+    def body(m, o):
+        def step(x, y):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            o.zero_grad()
+            return loss, norm
+        return step
+
+    step = forge.compile_train_step(body(model, opt), cuda_graphs=True)
+    replays = sg.counters["replays"]
+    for x, y in _batches(6, (32, 64), (32, 32), "cuda"):
+        (_, n), (_, rn) = step(x, y), body(ref, ref_opt)(x, y)
+        assert rn > 0.1, "the test must clip"
+        torch.testing.assert_close(n, rn, rtol=1e-5, atol=0)
+    rep = step.last_report
+    assert any("replayed as one CUDA graph" in s for s in rep.notes), rep.notes
+    assert any("read clip_grad_norm_'s coefficient" in s for s in rep.notes), rep.notes
+    assert sg.counters["replays"] > replays, dict(sg.counters)
+    for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -33,13 +33,14 @@ from .remat_for_backward import view_root, written_args
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width", "fill_table"]
+__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width", "fill_table", "grad_scale_column"]
 
 counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
 _FUSED = torch.ops.forge.wgrad_update_.default
 _EMBEDDING = torch.ops.forge.embedding_update_.default
+_HOST_SCALAR = torch.ops.forge.host_scalar.default
 # random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones.
 # Ops tagged nondeterministic_seeded draw them, except attention with dropout_p == 0 (SDPA's flash / efficient /
 # cuDNN kernels are tagged for their dropout and touch no generator without it); a few more by name.
@@ -62,6 +63,44 @@ def _states_hparams(n):
 
 def _rule_of(n) -> str:
     return n.args[4] if n.target is _APPLY else n.args[5]
+
+
+def grad_scale_column(rule) -> int:
+    """The kernel-scalar column that holds ``grad_scale`` for a ``grad_scaled_rule`` (the same on every target): a
+    replayed step writes clip_grad_norm_'s coefficient there on the device (``use_scalar_table``), so the fused
+    kernels read it without a host copy. Found by running the rule's host part with two values; raises
+    ``ValueError`` unless exactly one column holds the value itself."""
+    import numpy as np
+
+    from ..kernels.epilogue_codegen import compile_epilogue
+
+    cols = set()
+    for target in ("cuda", "interpret"):
+        ep = compile_epilogue(rule, target)
+        states = [torch.tensor(3.0) for _ in range(ep.n_scalar_states)]
+        runs = []
+        for v in (0.3712, 0.8125):
+            hp = [torch.tensor(0.5, dtype=torch.float64)] * (len(rule.hparams) - 1) + [torch.tensor(v, dtype=torch.float64)]
+            runs.append((v, ep.run_host([t.clone() for t in states], hp)[0]))
+        (va, a), (vb, b) = runs
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) != 1 or a[diff[0]] != float(np.float32(va)) or b[diff[0]] != float(np.float32(vb)):
+            raise ValueError(f"rule {rule.name!r}: grad_scale is not one kernel scalar of its own")
+        cols.add(diff[0])
+    if len(cols) != 1:
+        raise ValueError(f"rule {rule.name!r}: grad_scale's kernel scalar differs between targets")
+    return cols.pop()
+
+
+def _device_scale(n) -> Optional[fx.Node]:
+    """The device 0-dim factor of a fused update whose last hyper-parameter is ``forge::host_scalar(factor)``
+    (clip_grad_norm_'s coefficient), or None."""
+    if n.target is _APPLY:
+        return None
+    h = _states_hparams(n)[1]
+    if not h or not isinstance(h[-1], fx.Node) or h[-1].target is not _HOST_SCALAR:
+        return None
+    return h[-1].args[0]
 
 
 def table_width(rules) -> int:
@@ -101,10 +140,21 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
             return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
     for n in _updates(gm):
         rule = get_rule(_rule_of(n))
-        computed = [h for h in _states_hparams(n)[1] if isinstance(h, fx.Node) and h.op != "placeholder"]
-        if computed:
-            return (f"an update's hyper-parameter is computed by the step ({computed[0].target}: clip_grad_norm_'s "
-                    "coefficient, read on the host at every call)")
+        hparams = _states_hparams(n)[1]
+        computed = [h for h in hparams if isinstance(h, fx.Node) and h.op != "placeholder"]
+        scale = _device_scale(n)
+        if scale is not None and computed == [hparams[-1]]:
+            # clip_grad_norm_'s coefficient: written into the update's table row on the device
+            sv = _meta(scale)
+            if sv is None or sv.dim() != 0 or sv.dtype != torch.float32 or sv.device.type != device:
+                return f"a fused update's gradient scale is not a 0-dim fp32 {device} tensor"
+            try:
+                grad_scale_column(rule)
+            except Exception as e:   # a rule whose host part folds grad_scale into other scalars
+                return f"rule {rule.name!r}: {e}"
+        elif computed:
+            return (f"an update's hyper-parameter is computed by the step ({computed[0].target}), not an optimizer "
+                    "value the table can hold")
         try:
             compile_epilogue(rule, "cuda")
         except EpilogueUnsupported as e:
@@ -141,12 +191,15 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
     return None
 
 
-def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
+def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[set] = None) -> tuple:
     """Rewrite every update of ``gm`` to read its scalars from one row of a new last placeholder
     ``forge_scalar_table`` (fp32 [rows, width]). ``plan_of`` maps each scalar-state, tensor-state and
     hyper-parameter placeholder to its optimizer plan. Call only when ``graph_replay_blocker`` returned None.
     Returns ``(plans, width)``: row r of the table belongs to plan ``plans[r]`` (plans whose parameter is
-    updated in this graph, in graph order)."""
+    updated in this graph, in graph order). A fused update that clips (last hyper-parameter
+    ``forge::host_scalar(coef)``) reads its row with the coefficient written into ``grad_scale``'s column on the
+    device; its row's number goes into ``scaled_rows``, whose rows the caller fills for ``grad_scaled_rule(plan's
+    rule)`` with a placeholder grad_scale."""
     graph = gm.graph
     updates = _updates(gm)
     plan_rows: dict = {}
@@ -170,10 +223,17 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
         key = ([h for h in hparams if h in plan_of] + [s for s in states if s in plan_of])[0]
         row = plan_rows[plan_of[key]]
         tensor_states = split_states(rule, states)[0]
+        scale = _device_scale(n)
         with graph.inserting_before(n):
             sel = graph.call_function(aten.select.int, (table, 0, row))
             if fake is not None:
                 sel.meta["val"] = table.meta["val"][row]
+            if scale is not None:
+                sel = graph.call_function(aten.select_scatter.default, (sel, scale, 0, grad_scale_column(rule)))
+                if fake is not None:
+                    sel.meta["val"] = table.meta["val"][row].clone()
+                if scaled_rows is not None:
+                    scaled_rows.add(row)
             if n.target is _FUSED:
                 w, dy_t, x = n.args[:3]
                 new = graph.call_function(torch.ops.forge.wgrad_update_table_.default,
@@ -191,6 +251,9 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict) -> tuple:
         new.meta["val"] = None
         counters["unfused" if n.target is _APPLY else "fused"] += 1
         graph.erase_node(n)
+    for n in list(graph.nodes):     # the coefficients' host copies: every reader now takes the device value
+        if n.target is _HOST_SCALAR and not n.users:
+            graph.erase_node(n)
     graph.lint()
     gm.recompile()
     return list(plan_rows), width
