@@ -300,10 +300,14 @@ def lm_loss(logits, y):
 
 
 def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_weight_copies=False,
-                    cast_weights_in_update=False):
+                    cast_weights_in_update=False, clip_grad_norm=None):
     """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route (``cuda_graphs``:
     route step replayed as one CUDA graph; ``recompute_weight_copies``, ``cast_weights_in_update``: see
-    forge.compile_train_step)."""
+    forge.compile_train_step; ``clip_grad_norm``: clip_grad_norm_(model.parameters(), it) before opt.step())."""
+    def clip():
+        if clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+
     if route == "step":
         @forge.compile_train_step(cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
                                   cast_weights_in_update=cast_weights_in_update)
@@ -311,12 +315,16 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
             with autocast():
                 loss = lm_loss(model(x), y)
             loss.backward()
+            clip()      # traced into the step: the fused weights' norms from dY and X, the clip in their update
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
         return train_step
 
     if route == "backend":
+        if clip_grad_norm:
+            raise SystemExit("--clip-grad-norm needs --route step or off: the Dynamo route updates fused weights inside "
+                             "loss.backward(), before any gradient norm exists")
         if importlib.util.find_spec("forge_compile.backend") is None:
             raise SystemExit("--route backend needs forge_compile.backend (the Dynamo backend "
                              "torch.compile(model, backend='forge', options={'optimizer': opt})), which this "
@@ -332,6 +340,7 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
         with autocast():
             loss = lm_loss(cmodel(x), y)
         loss.backward()
+        clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -444,7 +453,7 @@ def train(args):
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
     train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
-                                 args.cast_weights_in_update)
+                                 args.cast_weights_in_update, args.clip_grad_norm)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -648,6 +657,8 @@ def parse_args(argv):
     p.add_argument("--cast-weights-in-update", action="store_true",
                    help="route step: each fused update writes its weight's autocast copy for the next forward "
                         "(one cast kernel less per weight and step; the copies stay between steps)")
+    p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                   help="clip_grad_norm_(model.parameters(), MAX) before each opt.step() (routes step and off)")
     p.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.optim.AdamW(fused=True) (default: on CUDA only)")
     p.add_argument("--untimed-steps", type=int, default=3,

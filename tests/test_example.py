@@ -70,6 +70,16 @@ def test_checkpoint_layers_trains_as_without(step_run_4):
     assert r["fusion_report"].count(" yes ") == step_run_4["fusion_report"].count(" yes ") >= 8
 
 
+def test_clip_grad_norm_step_matches_off(tmp_path):
+    # --clip-grad-norm: route step keeps its projections fused (norms from dY and X, the clip in the update) and
+    # trains as route off (torch.compile + torch.optim) with the same clip
+    step = run("--route", "step", "--steps", "3", "--clip-grad-norm", "0.5")
+    off = run("--route", "off", "--steps", "3", "--clip-grad-norm", "0.5")
+    _check_result(step, 3)
+    torch.testing.assert_close(torch.tensor(step["losses"]), torch.tensor(off["losses"]), rtol=1e-4, atol=1e-5)
+    assert step["fusion_report"].count("clip_grad_norm_") >= 8, step["fusion_report"]
+
+
 @pytest.mark.skipif(not HAS_BACKEND, reason="forge_compile.backend (the Dynamo route) does not exist yet")
 def test_route_backend(step_run_4):
     r = run("--route", "backend", "--steps", "4")
