@@ -19,7 +19,7 @@ import forge_compile as forge
 from forge_compile.kernels.wgrad_norm import reference_wgrad_sqnorm, wgrad_sqnorm
 from forge_compile.optim import rules as R
 from forge_compile.optim.rule import grad_scaled_rule
-from models import MLP, TinyLM
+from models import MLP, TinyLM, clip_step
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -64,15 +64,6 @@ def test_grad_scaled_rule_is_the_base_rule_on_the_scaled_gradient(base):
         assert torch.equal(a, b)
 
 
-def _clip_step(model, opt, max_norm, loss_fn):
-    def step(x, y):
-        loss = loss_fn(model(x), y); loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step(); opt.zero_grad()
-        return loss, norm
-    return step
-
-
 def _mlp_data(steps):
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(12, 16, generator=gen), torch.randn(12, 8, generator=gen)) for _ in range(steps)]
@@ -106,8 +97,8 @@ def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
         model, data, loss_fn = TinyLM(vocab=40, d=32), _lm_data(4), _lm_loss
     ref = copy.deepcopy(model)
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
-    fstep = forge.compile_train_step(_clip_step(model, opt, max_norm, loss_fn))
-    rstep = _clip_step(ref, ref_opt, max_norm, loss_fn)
+    fstep = forge.compile_train_step(clip_step(model, opt, max_norm, loss_fn))
+    rstep = clip_step(ref, ref_opt, max_norm, loss_fn)
     for x, y in data:
         (loss, norm), (rloss, rnorm) = fstep(x, y), rstep(x, y)
         torch.testing.assert_close(loss, rloss.detach(), rtol=RTOL, atol=ATOL)
@@ -209,7 +200,7 @@ def test_cuda_graphs_replay_a_clipping_step():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sg.GRAPH_DEVICE[0] = "cpu"
     try:
-        rep = forge.compile_train_step(_clip_step(model, opt, 0.1, F.mse_loss), cuda_graphs=True).explain(
+        rep = forge.compile_train_step(clip_step(model, opt, 0.1), cuda_graphs=True).explain(
             *_mlp_data(1)[0])
     finally:
         sg.GRAPH_DEVICE[0] = "cuda"

@@ -50,8 +50,9 @@ def test_cuda_fp32_matches_eager(opt_name):
         assert (a - b).abs().max().item() <= tol
 
 
-def _peak_step(route, autocast, d=2048, layers=4, tokens=512):
-    """Peak memory of one steady-state train step above what is allocated before it."""
+def _peak_step(route, autocast, d=2048, layers=4, tokens=512, clip=None):
+    """Peak memory of one steady-state train step above what is allocated before it, the linear dW bytes and the
+    step (``clip``: clip_grad_norm_ to it before the update)."""
     torch.cuda.empty_cache()
     model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=(route == "baseline"))
@@ -60,7 +61,10 @@ def _peak_step(route, autocast, d=2048, layers=4, tokens=512):
     def body(x):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = fwd(x).float().square().mean()
-        loss.backward(); opt.step(); opt.zero_grad(); return loss
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step(); opt.zero_grad(); return loss
 
     step = forge.compile_train_step(body) if route == "forge" else body
     x = torch.randn(tokens, d, device="cuda")
@@ -68,17 +72,21 @@ def _peak_step(route, autocast, d=2048, layers=4, tokens=512):
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step(x); torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, layers * d * d * 4
+    return torch.cuda.max_memory_allocated() - base, layers * d * d * 4, step
+
+
+def _write_peaks(name, fused, base, dw):
+    out = os.environ.get("FORGE_RESULTS")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump({"forge_step_peak_bytes": fused, "baseline_step_peak_bytes": base, "dW_bytes": dw}, f)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_cuda_peak_memory_fused_vs_torch_compile_baseline(autocast):
-    fused, dw = _peak_step("forge", autocast)
-    base, _ = _peak_step("baseline", autocast)
-    out = os.environ.get("FORGE_RESULTS")
-    if out:
-        with open(os.path.join(out, f"gpu_peak_memory_autocast{int(autocast)}.json"), "w") as f:
-            json.dump({"forge_step_peak_bytes": fused, "baseline_step_peak_bytes": base, "dW_bytes": dw}, f)
+    fused, dw, _ = _peak_step("forge", autocast)
+    base, _, _ = _peak_step("baseline", autocast)
+    _write_peaks(f"gpu_peak_memory_autocast{int(autocast)}.json", fused, base, dw)
     # The baseline (torch.compile forward/backward + AdamW(fused=True)) holds every fp32 dW when
     # opt.step() runs; the forge step never holds one. bf16 autocast adds bf16 weight copies to both.
     # Measured on the H200 (2026-12-02): fp32 forge 21.0 MB vs baseline 75.5 MB, bf16 35.7 vs 77.6 (dW 67.1 MB).
@@ -260,33 +268,8 @@ def test_cuda_clip_grad_norm_fused_matches_eager(opt_name):
 def test_cuda_clip_grad_norm_peak_memory():
     # clipping keeps every dW off the peak too: the baseline clips its materialized fp32 dW (torch.compile forward
     # + AdamW(fused=True)), forge computes each norm from dY and X in row blocks (<= 32 MiB at a time)
-    def peak(route, d=2048, layers=4, tokens=512):
-        torch.cuda.empty_cache()
-        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)]).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=(route == "baseline"))
-        fwd = torch.compile(model) if route == "baseline" else model
-
-        def body(x):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = fwd(x).float().square().mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-            opt.step(); opt.zero_grad(); return loss
-
-        step = forge.compile_train_step(body) if route == "forge" else body
-        x = torch.randn(tokens, d, device="cuda")
-        step(x); step(x)
-        if route == "forge":
-            assert len(step.last_report.fused) == layers, str(step.last_report)
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(x); torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, layers * d * d * 4
-
-    fused, dw = peak("forge")
-    base, _ = peak("baseline")
-    out = os.environ.get("FORGE_RESULTS")
-    if out:
-        with open(os.path.join(out, "gpu_peak_memory_clip.json"), "w") as f:
-            json.dump({"forge_step_peak_bytes": fused, "baseline_step_peak_bytes": base, "dW_bytes": dw}, f)
+    fused, dw, step = _peak_step("forge", True, clip=1e-3)
+    assert len(step.last_report.fused) == 4, str(step.last_report)
+    base, _, _ = _peak_step("baseline", True, clip=1e-3)
+    _write_peaks("gpu_peak_memory_clip.json", fused, base, dw)
     assert base >= dw and fused < 0.6 * dw, (fused, base, dw)

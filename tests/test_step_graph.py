@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
 from interpreter import run_child  # noqa: E402
-from models import MLP, Block, buffer_reuse_at_compile, rerun_recorder  # noqa: E402
+from models import MLP, Block, buffer_reuse_at_compile, clip_step, rerun_recorder  # noqa: E402
 
 
 def _train(model, opt, cuda_graphs, batches, sched=None, replace_state_at=None, autocast=None):
@@ -355,22 +355,12 @@ def test_interpreter_clip_grad_norm_replayed(cpu_graphs):
         model = MLP()
         ref = copy.deepcopy(model)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-
-        def body(m, o):
-            def step(x, y):
-                loss = F.mse_loss(m(x), y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-                o.step()
-                o.zero_grad()
-                return loss
-            return step
-
-        step = forge.compile_train_step(body(model, opt), cuda_graphs=True)
+        step = forge.compile_train_step(clip_step(model, opt, 0.05), cuda_graphs=True)
+        ref_step = clip_step(ref, ref_opt, 0.05)
         losses = []
         for x, y in _batches(5, (8, 16), (8, 8), "cpu"):
-            losses.append(step(x, y).item())
-            body(ref, ref_opt)(x, y)
+            losses.append(step(x, y)[0].item())
+            ref_step(x, y)
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         return model, opt, losses, step.last_report
@@ -446,21 +436,11 @@ def test_cuda_replayed_clipping_step_trains_like_eager():
     model = MLP(64, 128, 32).cuda()
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-
-    def body(m, o):
-        def step(x, y):
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-            o.step()
-            o.zero_grad()
-            return loss, norm
-        return step
-
-    step = forge.compile_train_step(body(model, opt), cuda_graphs=True)
+    step = forge.compile_train_step(clip_step(model, opt, 0.05), cuda_graphs=True)
+    ref_step = clip_step(ref, ref_opt, 0.05)
     replays = sg.counters["replays"]
     for x, y in _batches(6, (32, 64), (32, 32), "cuda"):
-        (_, n), (_, rn) = step(x, y), body(ref, ref_opt)(x, y)
+        (_, n), (_, rn) = step(x, y), ref_step(x, y)
         assert rn > 0.1, "the test must clip"
         torch.testing.assert_close(n, rn, rtol=1e-5, atol=0)
     rep = step.last_report

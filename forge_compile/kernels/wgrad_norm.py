@@ -46,8 +46,10 @@ def wgrad_sqnorm(dy_t: torch.Tensor, x: torch.Tensor, block_bytes: int = SQNORM_
     n, k = dy_t.shape[0], x.shape[1]
     rows = max(1, min(n, block_bytes // 4 // max(1, k)))
     total = torch.zeros((), dtype=torch.float32, device=x.device)
+    # off cuBLAS's fp32-out path every block reads an fp32 X: convert it once, not per block
+    xb = x if x.is_cuda else x.float()
     for r0 in range(0, n, rows):
-        blk = _mm_fp32(dy_t[r0:r0 + rows], x).reshape(-1)
+        blk = _mm_fp32(dy_t[r0:r0 + rows], xb).reshape(-1)
         total += torch.dot(blk, blk)
     return total
 

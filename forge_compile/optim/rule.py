@@ -71,8 +71,8 @@ def get_rule(name: str) -> Rule:
         raise KeyError(f"forge: no optimizer rule registered as {name!r}") from None
 
 
-_SCALED: dict[str, Rule] = {}      # base rule name -> its grad_scaled_rule
-_SCALED_BASE: dict[str, Rule] = {}  # scaled rule name -> base rule
+_SCALED_BASE: dict[str, Rule] = {}  # grad_scaled_rule's name -> the rule it was made from
+_SCALED_LOCK = threading.Lock()     # one function per scaled name: register_rule refuses a second one
 
 
 def grad_scaled_rule(base: Rule) -> Rule:
@@ -83,20 +83,18 @@ def grad_scaled_rule(base: Rule) -> Rule:
     kernels apply it to the fp32 dW tile in their epilogue -- one fp32 multiply per element, the value torch's
     ``mul_`` computes -- so dW still never exists. The coefficient arrives as a float64 0-dim CPU tensor like every
     hyper-parameter; it holds an fp32 value exactly, so the rule's type promotion multiplies by that fp32 value."""
-    with _LOCK:
-        rule = _SCALED.get(base.name)
-    if rule is not None:
+    name = f"grad_scaled({base.name})"
+    with _SCALED_LOCK:
+        if name in _SCALED_BASE:
+            return get_rule(name)
+
+        def fn(param, grad, *xs):
+            return base.fn(param, grad * xs[-1], *xs[:-1])
+
+        fn.__name__ = fn.__qualname__ = f"grad_scaled_{base.name}"
+        rule = register_rule(Rule(name, fn, base.states, base.scalar_states, base.hparams + ("grad_scale",)))
+        _SCALED_BASE[name] = base
         return rule
-
-    def fn(param, grad, *xs):
-        return base.fn(param, grad * xs[-1], *xs[:-1])
-
-    fn.__name__ = fn.__qualname__ = f"grad_scaled_{base.name}"
-    rule = Rule(f"grad_scaled({base.name})", fn, base.states, base.scalar_states, base.hparams + ("grad_scale",))
-    with _LOCK:
-        rule = _SCALED.setdefault(base.name, rule)
-        _SCALED_BASE[rule.name] = base
-    return register_rule(rule)
 
 
 def scaled_base(rule: Rule):

@@ -17,6 +17,7 @@ runtime (``fill_table``, before each call), not the graph. ``graph_replay_blocke
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import Optional
@@ -70,10 +71,17 @@ def grad_scale_column(rule) -> int:
     replayed step writes clip_grad_norm_'s coefficient there on the device (``use_scalar_table``), so the fused
     kernels read it without a host copy. Found by running the rule's host part with two values; raises
     ``ValueError`` unless exactly one column holds the value itself."""
+    return _grad_scale_column(rule.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_scale_column(name: str) -> int:
+    # per rule name (a registered name is one function): the blocker and the rewrite ask for every clipping update
     import numpy as np
 
     from ..kernels.epilogue_codegen import compile_epilogue
 
+    rule = get_rule(name)
     cols = set()
     for target in ("cuda", "interpret"):
         ep = compile_epilogue(rule, target)
@@ -140,6 +148,10 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
             return f"the step draws random numbers ({name}): a replay would repeat the captured ones"
     for n in _updates(gm):
         rule = get_rule(_rule_of(n))
+        try:
+            compile_epilogue(rule, "cuda")
+        except EpilogueUnsupported as e:
+            return f"rule {rule.name!r} has no generated update kernel: {e}"
         hparams = _states_hparams(n)[1]
         computed = [h for h in hparams if isinstance(h, fx.Node) and h.op != "placeholder"]
         scale = _device_scale(n)
@@ -150,15 +162,11 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
                 return f"a fused update's gradient scale is not a 0-dim fp32 {device} tensor"
             try:
                 grad_scale_column(rule)
-            except Exception as e:   # a rule whose host part folds grad_scale into other scalars
-                return f"rule {rule.name!r}: {e}"
+            except ValueError as e:   # a rule whose host part folds grad_scale into other scalars
+                return str(e)
         elif computed:
             return (f"an update's hyper-parameter is computed by the step ({computed[0].target}), not an optimizer "
                     "value the table can hold")
-        try:
-            compile_epilogue(rule, "cuda")
-        except EpilogueUnsupported as e:
-            return f"rule {rule.name!r} has no generated update kernel: {e}"
         if n.target is _APPLY:
             p, g = _meta(n.args[0]), _meta(n.args[1])
             if p is None or g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or p.shape != g.shape:

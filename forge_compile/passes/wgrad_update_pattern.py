@@ -63,8 +63,12 @@ class _Match:
     chain: list          # gradient-path nodes from the producer's user to the apply's grad input
     transposed: bool     # dW == mm(...)^T
     emb: Optional[fx.Node] = None    # a tied weight: the embedding backward whose gradient dW adds (mm + emb)
-    scale: Optional[fx.Node] = None  # a 0-dim fp32 factor the gradient is multiplied by (clip_grad_norm_'s)
+    scale_mul: Optional[fx.Node] = None  # gradient x a 0-dim fp32 factor (clip_grad_norm_'s mul_), on the chain
     norms: tuple = ()                # L2 norms of the (unscaled) gradient, computed again from dY and X
+
+    @property
+    def scale(self) -> Optional[fx.Node]:
+        return None if self.scale_mul is None else self.scale_mul.args[1]
 
     @property
     def embedding(self) -> bool:
@@ -99,11 +103,11 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     found = _walk(apply.args[1], apply, embeddings, True)
     if isinstance(found, str):
         return None, found
-    mm, chain, transposed, emb, scale, norms = found
-    if (scale is not None or norms) and (emb is not None or mm.target is _EMB_BACKWARD):
+    mm, chain, transposed, emb, scale_mul, norms = found
+    if (scale_mul is not None or norms) and (emb is not None or mm.target is _EMB_BACKWARD):
         return None, ("an embedding's gradient is scaled or its norm read (clip_grad_norm_): only a matmul's dW is "
                       "fused then")
-    return _Match(apply, mm, chain, transposed, emb, scale, tuple(norms)), ""
+    return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms)), ""
 
 
 def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
@@ -143,17 +147,17 @@ def _is_l2_norm(node: fx.Node, of: fx.Node) -> bool:
     return (ord_ == 2 and all(r in (None, False) for r in rest) and v is not None and v.dtype == torch.float32)
 
 
-def _grad_scale(node: fx.Node, cur: fx.Node) -> Optional[fx.Node]:
-    """The 0-dim fp32 factor of ``node`` = ``cur * factor`` (in place or not; clip_grad_norm_'s ``g.mul_(coef)``),
-    or None."""
+def _is_grad_scale(node: fx.Node) -> bool:
+    """``node`` = ``g * factor`` with a 0-dim fp32 factor node (in place or not; clip_grad_norm_'s
+    ``g.mul_(coef)``)."""
     if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
-        return None
-    if node.args[0] is not cur or not isinstance(node.args[1], fx.Node) or node.args[1] is cur:
-        return None
-    f, g = _meta(node.args[1]), _meta(cur)
-    if f is None or g is None or f.dim() != 0 or f.dtype != torch.float32 or g.dtype != torch.float32:
-        return None
-    return node.args[1]
+        return False
+    g, f = node.args
+    if not isinstance(f, fx.Node) or f is g:
+        return False
+    fv, gv = _meta(f), _meta(g)
+    return (fv is not None and gv is not None and fv.dim() == 0 and fv.dtype == torch.float32
+            and gv.dtype == torch.float32)
 
 
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
@@ -164,14 +168,14 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     in-place ``mul_``) is taken into the update (``optim.rule.grad_scaled_rule``)."""
     chain = []
     transposed = False
-    scale, norms, scaled_norm = None, [], False
+    scale_mul, norms, scaled_norm = None, [], False
     while True:
         if not isinstance(cur, fx.Node):
             return "gradient is not a graph value"
         others = [u for u in cur.users if u is not consumer]
         if others and all(_is_l2_norm(u, cur) for u in others):
             norms += others
-            scaled_norm = scaled_norm or scale is None   # read before the walk met a scale: a scaled value
+            scaled_norm = scaled_norm or scale_mul is None   # read before the walk met a scale: a scaled value
             others = []
         if others and all(_only_returned(u) for u in others):
             return ("gradient outlives the step (left in .grad -- opt.zero_grad() before backward instead of after "
@@ -180,16 +184,16 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             return (f"gradient is also read by {_describe_users(cur, consumer)} "
                     "(e.g. clip_grad_norm_(foreach=True), a gradient statistic other than its L2 norm)")
         if cur.target is aten.mm.default or (embeddings and cur.target is _EMB_BACKWARD):
-            if scale is not None and scaled_norm:
+            if scale_mul is not None and scaled_norm:
                 return "the norm of the scaled gradient is read (after clip_grad_norm_'s scaling)"
             if cur.target is aten.mm.default:
-                return cur, chain, transposed, None, scale, norms
+                return cur, chain, transposed, None, scale_mul, norms
             why = _emb_reason(cur, transposed)
-            return why if why else (cur, chain, False, None, scale, norms)
-        if cur.op == "call_function" and (f := _grad_scale(cur, cur.args[0] if cur.args else None)) is not None:
-            if scale is not None:
+            return why if why else (cur, chain, False, None, scale_mul, norms)
+        if _is_grad_scale(cur):
+            if scale_mul is not None:
                 return "gradient is scaled twice before the update"
-            scale = f
+            scale_mul = cur
             chain.append(cur)
             consumer, cur = cur, cur.args[0]
             continue
@@ -218,7 +222,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if isinstance(tied, str):
                 return tied
             mm, mm_chain, mm_t, emb, emb_chain = tied
-            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale, norms
+            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale_mul, norms
         elif cur.op == "placeholder":
             return "gradient is a graph input"
         else:
@@ -364,8 +368,8 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
             return False, why, None
     if not match.embedding and (a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype):
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
-    if match.scale is not None:
-        mul = _scale_node(match)
+    if match.scale_mul is not None:
+        mul = match.scale_mul
         # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of
         # it) reads: only norms before it are of the unscaled gradient that the norm op computes again
         if mul.target is aten.mul_.Tensor and any(order[nn] > order[mul] for nn in match.norms):
@@ -405,10 +409,6 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
                  + ([match.scale] if match.scale is not None else []), key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
-
-
-def _scale_node(match: _Match) -> fx.Node:
-    return next(n for n in match.chain if n.target in (aten.mul.Tensor, aten.mul_.Tensor) and n.args[1] is match.scale)
 
 
 def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False,
