@@ -142,6 +142,24 @@ def _scheduler_classes() -> list:
     return out
 
 
+def _foreach_norm_per_tensor(tensors, ord=2, dtype=None):
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+def _foreach_mul_per_tensor_(tensors, other):
+    for t in tensors:
+        t.mul_(other)
+
+
+# clip_grad_norm_(foreach=True) (torchtitan's) reads all gradients' norms in one _foreach_norm and scales them in one
+# _foreach_mul_: traced per tensor, each gradient's norm and scaling is a node of its own, which the pattern pass
+# takes into the fused update as it does for the default foreach=None (the same values: a list op per tensor)
+_PER_TENSOR_FOREACH = {
+    torch.ops.aten._foreach_norm.Scalar: _foreach_norm_per_tensor,
+    torch.ops.aten._foreach_mul_.Tensor: _foreach_mul_per_tensor_,
+}
+
+
 @contextlib.contextmanager
 def _no_scheduler_steps():
     """While the step is traced, an LR scheduler's ``step()`` raises. The trace runs the step's Python once, so a
@@ -448,7 +466,7 @@ class CompiledTrainStep:
                                                     hparams, args, kwargs, grads_in)
         try:
             with _no_scheduler_steps(), _no_hparam_writes(optimizers), _compat.inline_compiled_functions():
-                gm = _compat.make_fx(step, tracing_mode="fake")(*flat)
+                gm = _compat.make_fx(step, decomposition_table=_PER_TENSOR_FOREACH, tracing_mode="fake")(*flat)
         except ForgeCaptureError:
             raise
         except Exception as e:

@@ -199,12 +199,12 @@ def assert_same_training(m1, m2, o1=None, o2=None):
                 assert torch.equal(v, o2.state[p2][k]), k
 
 
-def clip_step(model, opt, max_norm, loss_fn=F.mse_loss):
+def clip_step(model, opt, max_norm, loss_fn=F.mse_loss, foreach=None):
     """A train step that clips every gradient (clip_grad_norm_) before the update; returns (loss, total norm)."""
     def step(x, y):
         loss = loss_fn(model(x), y)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
         opt.step()
         opt.zero_grad()
         return loss, norm

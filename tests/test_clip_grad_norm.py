@@ -1,7 +1,7 @@
 """clip_grad_norm_ inside compile_train_step: fused weights keep dW unmaterialized.
 
 The pass replaces each fused weight's gradient norm by ``sqrt(forge::wgrad_sqnorm(dY, X))`` (row blocks of dW, one at
-a time) and folds the in-place ``g.mul_(coef)`` into the update (``grad_scaled_rule``: the epilogue multiplies the
+a time; an embedding's or tied weight's by ``forge::embedding_sqnorm``, from the compact gradient rows) and folds the in-place ``g.mul_(coef)`` into the update (``grad_scaled_rule``: the epilogue multiplies the
 fp32 dW tile by the coefficient). Compared here with the same model clipped and trained eagerly.
 
 Tolerances: the norms are sums of squares over another summation order than torch's ``vector_norm`` of a dW that was
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import forge_compile as forge
-from forge_compile.kernels.wgrad_norm import reference_wgrad_sqnorm, wgrad_sqnorm
+from forge_compile.kernels.wgrad_norm import (embedding_sqnorm, reference_embedding_sqnorm, reference_wgrad_sqnorm,
+                                              wgrad_sqnorm)
 from forge_compile.optim import rules as R
 from forge_compile.optim.rule import grad_scaled_rule
 from models import MLP, TinyLM, clip_step
@@ -45,6 +46,37 @@ def test_wgrad_sqnorm_op_and_shape_check():
                                rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="do not compose"):
         wgrad_sqnorm(dy, x.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("padding_idx", [-1, 0, 3])
+@pytest.mark.parametrize("tied", [False, True], ids=["embedding", "tied"])
+@pytest.mark.parametrize("block_bytes", [4 * 5 * 2, 1 << 25], ids=["2rows", "one"])
+def test_embedding_sqnorm_is_the_dense_gradients(dtype, padding_idx, tied, block_bytes):
+    # repeated indices, the padding row among them (its tokens' rows must not count, yet the tied matmul's
+    # padding row does), index 0 (the id of the zero rows past the distinct count)
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, 10, (3, 7), generator=gen)
+    idx[0, :3] = torch.tensor([3, 3, 0])
+    go = torch.randn(3, 7, 5, generator=gen).to(dtype)
+    dy_t, x = (torch.randn(21, 10, generator=gen).to(dtype).t(), torch.randn(21, 5, generator=gen).to(dtype)) \
+        if tied else (None, None)
+    got = embedding_sqnorm(go, idx, 10, padding_idx, dy_t, x, block_bytes=block_bytes)
+    want = reference_embedding_sqnorm(go, idx, 10, padding_idx, dy_t, x)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    torch.testing.assert_close(torch.ops.forge.embedding_sqnorm(go, idx, 10, padding_idx, dy_t, x), want,
+                               rtol=2e-6, atol=0)
+
+
+def test_embedding_sqnorm_checks_its_arguments():
+    go, idx = torch.randn(4, 5), torch.randint(0, 9, (4,))
+    with pytest.raises(ValueError, match="does not match"):
+        embedding_sqnorm(go, idx[:3], 9)
+    with pytest.raises(ValueError, match="both be given"):
+        embedding_sqnorm(go, idx, 9, -1, torch.randn(9, 4), None)
+    with pytest.raises(ValueError, match="compose"):
+        embedding_sqnorm(go, idx, 9, -1, torch.randn(8, 4), torch.randn(4, 5))
 
 
 @pytest.mark.parametrize("base", [R.adamw_rule(), R.sgd_rule(momentum=True, nesterov=True), R.lion_rule()],
@@ -88,13 +120,19 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("max_norm", [0.2, 1e4], ids=["clipping", "not_clipping"])
-@pytest.mark.parametrize("model_name", ["mlp", "tiny_lm"])
+@pytest.mark.parametrize("model_name", ["mlp", "tiny_lm", "tied_lm_padded"])
 def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
+    # the embedding (its norm from the compact rows) and the tied embedding / output weight (its norm from dY, X and
+    # the rows) are fused under the clip too; the padding row's tokens are in the batch and must not count
     torch.manual_seed(0)
     if model_name == "mlp":
         model, data, loss_fn = MLP(), _mlp_data(4), F.mse_loss
     else:
-        model, data, loss_fn = TinyLM(vocab=40, d=32), _lm_data(4), _lm_loss
+        model, data, loss_fn = TinyLM(vocab=40, d=32, tied=model_name == "tied_lm_padded"), _lm_data(4), _lm_loss
+        if model_name == "tied_lm_padded":
+            model.emb.padding_idx = 3
+            for x, _ in data:
+                x[0, :2] = 3
     ref = copy.deepcopy(model)
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
     fstep = forge.compile_train_step(clip_step(model, opt, max_norm, loss_fn))
@@ -116,8 +154,10 @@ def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"param {n}: {m}")
     rep = fstep.last_report
     weights = [r for r in rep.rows if r.name.endswith("weight") and len(r.shape) == 2]
-    assert weights and all(r.fused for r in weights if "emb" not in r.name), str(rep)
-    assert all("clip_grad_norm_" in r.reason for r in weights if "emb" not in r.name), str(rep)
+    assert weights and all(r.fused and "clip_grad_norm_" in r.reason for r in weights), str(rep)
+    if model_name != "mlp":
+        assert ("embedding: gradient rows" if model_name == "tiny_lm" else "tied:") in rep.row(
+            "model.emb.weight").reason, str(rep)
 
 
 def test_logged_gradient_norm_is_computed_without_dw():
@@ -170,24 +210,35 @@ def test_clip_over_some_parameters_only():
     assert rep.row("m.fc1.weight").fused and rep.row("m.fc1.weight").reason == "", str(rep)
 
 
-def test_clip_foreach_true_stays_unfused_and_exact():
-    # clip_grad_norm_(foreach=True) traces to _foreach_norm / _foreach_mul_, which the pass does not take apart:
-    # unfused with the reason (on CPU foreach=True raises in torch itself, so this builds the same ops by hand)
+def test_clip_foreach_ops_are_fused_per_tensor():
+    # clip_grad_norm_(foreach=True) (torchtitan's call) traces to _foreach_norm / _foreach_mul_: the capture takes
+    # them apart per tensor, so every weight stays fused, as under foreach=None. On CPU foreach=True raises in torch
+    # itself, so this builds the same ops by hand; eager runs them as they are (the foreach kernels)
     torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
 
-    def step(x, y):
-        loss = F.mse_loss(model(x), y); loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        torch._foreach_mul_(grads, torch.clamp(1.0 / (total + 1e-6), max=1.0))
-        opt.step(); opt.zero_grad()
-        return loss
+    def make(m, o):
+        def step(x, y):
+            loss = F.mse_loss(m(x), y); loss.backward()
+            grads = [p.grad for p in m.parameters()]
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+            torch._foreach_mul_(grads, torch.clamp(0.05 / (total + 1e-6), max=1.0))
+            o.step(); o.zero_grad()
+            return loss, total
+        return step
 
-    rep = forge.explain(step, *_mlp_data(1)[0])
-    row = rep.row("model.fc1.weight")
-    assert not row.fused and "_foreach" in row.reason, str(rep)
+    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    for x, y in _mlp_data(3):
+        (_, n), (_, rn) = fstep(x, y), rstep(x, y)
+        assert rn > 0.1, "the test must clip"
+        torch.testing.assert_close(n, rn, rtol=RTOL, atol=ATOL)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    rep = fstep.last_report
+    for name in ("m.fc1.weight", "m.fc2.weight"):
+        assert rep.row(name).fused and "clip_grad_norm_" in rep.row(name).reason, str(rep)
 
 
 def test_cuda_graphs_replay_a_clipping_step():

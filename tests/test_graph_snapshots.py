@@ -213,6 +213,30 @@ v33 = aten.mul_(v12, v28)
 v34 = forge.apply_rule_(in1, v32, [in7, in8, in9], [in21, in22, in23, in24, in25], 'adamw[amsgrad=False,maximize=False,weight_decay=True]')
 v35 = forge.apply_rule_(in3, v33, [in13, in14, in15], [in31, in32, in33, in34, in35], 'adamw[amsgrad=False,maximize=False,weight_decay=True]')""")
 
+    def test_tied_lm_clip_grad_norm(self):
+        # a clipped tied embedding / output weight (padding row 3): its norm from the output matmul's operands and
+        # the embedding backward's inputs (forge.embedding_sqnorm, no dense gradient), the coefficient in its one
+        # fused update, which adds the embedding's rows to the matmul's dW tile (emb_* arguments)
+        torch.manual_seed(0)
+        model = TinyLM(vocab=10, d=8, tied=True)
+        model.emb.padding_idx = 3
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()); loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad(); return loss
+        g, rep = _rewritten(step, torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (2, 3)))
+        self.assertIn("tied: the output matmul's dW + the embedding's rows, gradient scaled in the update",
+                      rep.row("model.emb.weight").reason)
+        rows = "\n".join(ln for ln in g.splitlines() if "embedding" in ln or "host_scalar" in ln
+                         or "forge.wgrad_update_(in0," in ln)
+        self.assertExpectedInline(rows, """\
+v0 = aten.embedding(in0, in55, 3)
+v138 = forge.embedding_sqnorm(v137, in55, 10, 3, dy_t=v74, x=v60)
+v160 = forge.host_scalar(v159)
+v165 = forge.wgrad_update_(in0, v74, v60, [in11], [in22, in23, in24, v160], 'grad_scaled(sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False])', emb_grad_output=v137, emb_indices=in55, emb_padding_idx=3)""")
+
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"
         from forge_compile import step_graph as sg

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
 from interpreter import run_child  # noqa: E402
-from models import MLP, Block, buffer_reuse_at_compile, clip_step, rerun_recorder  # noqa: E402
+from models import MLP, Block, TinyLM, buffer_reuse_at_compile, clip_step, rerun_recorder  # noqa: E402
 
 
 def _train(model, opt, cuda_graphs, batches, sched=None, replace_state_at=None, autocast=None):
@@ -345,20 +345,45 @@ def test_interpreter_clipping_frozen_parameter_and_two_groups(cpu_graphs):
     _same_state(m1, o1, m2, o2)
 
 
-def test_interpreter_clip_grad_norm_replayed(cpu_graphs):
+def _tied_lm_padded():
+    model = TinyLM(tied=True)
+    model.emb.padding_idx = 3
+    return model
+
+
+def _lm_batches(n, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x, y = torch.randint(0, 40, (2, 6), generator=gen), torch.randint(0, 40, (2, 6), generator=gen)
+        x[0, :2] = 3    # the padding row's tokens: their rows must not count in the norm
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def _lm_loss(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "tied_lm_padded"])
+def test_interpreter_clip_grad_norm_replayed(cpu_graphs, model_name):
     # clip_grad_norm_ keeps the weights fused and the step replayable: each fused update reads the coefficient from
     # its table row, where the step writes it on the device. Replayed == the table path run eagerly (bitwise), and
-    # both train like eager torch (SGD: a missing or misplaced coefficient moves the weights by far more than 1e-5)
+    # both train like eager torch (SGD: a missing or misplaced coefficient moves the weights by far more than 1e-5).
+    # The tied embedding / output weight: its norm from dY, X and the compact rows, in the graph too
+    lm = model_name != "mlp"
+
     def run(recorder):
         sg.RECORDER[0] = recorder
         torch.manual_seed(0)
-        model = MLP()
+        model = _tied_lm_padded() if lm else MLP()
         ref = copy.deepcopy(model)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-        step = forge.compile_train_step(clip_step(model, opt, 0.05), cuda_graphs=True)
-        ref_step = clip_step(ref, ref_opt, 0.05)
+        loss_fn = _lm_loss if lm else torch.nn.functional.mse_loss
+        step = forge.compile_train_step(clip_step(model, opt, 0.05, loss_fn), cuda_graphs=True)
+        ref_step = clip_step(ref, ref_opt, 0.05, loss_fn)
         losses = []
-        for x, y in _batches(5, (8, 16), (8, 8), "cpu"):
+        for x, y in (_lm_batches(4, "cpu") if lm else _batches(5, (8, 16), (8, 8), "cpu")):
             losses.append(step(x, y)[0].item())
             ref_step(x, y)
         for a, b in zip(model.parameters(), ref.parameters()):
@@ -367,9 +392,10 @@ def test_interpreter_clip_grad_norm_replayed(cpu_graphs):
 
     m1, o1, l1, rep = run(rerun_recorder)
     m2, o2, l2, _ = run(_failing_recorder)
-    assert any("replayed as one CUDA graph; 4 updates" in n for n in rep.notes), rep.notes
-    assert any("read clip_grad_norm_'s coefficient" in n for n in rep.notes), rep.notes
-    assert all(r.fused for r in rep.rows if r.name.endswith("weight")), str(rep)
+    n_updates = 11 if lm else 4
+    assert any(f"replayed as one CUDA graph; {n_updates} updates" in n for n in rep.notes), rep.notes
+    assert any(f"{5 if lm else 2} fused updates read clip_grad_norm_'s coefficient" in n for n in rep.notes), rep.notes
+    assert all(r.fused for r in rep.rows if len(r.shape) == 2), str(rep)
     assert l1 == l2
     _same_state(m1, o1, m2, o2)
 
@@ -427,25 +453,31 @@ def test_cuda_replayed_step_close_to_unreplayed_route():
 
 
 @cuda
-def test_cuda_replayed_clipping_step_trains_like_eager():
+@pytest.mark.parametrize("model_name,foreach", [("mlp", None), ("tied_lm_padded", True)])
+def test_cuda_replayed_clipping_step_trains_like_eager(model_name, foreach):
     # a real CUDA graph of a step that clips: the coefficient is computed and written into the table rows inside the
-    # graph. fp32 activations, TF32 off: against eager torch (SGD with momentum: scale-sensitive), as
+    # graph (for the tied embedding / output weight too: its norm from dY, X and the compact rows -- sort, search,
+    # gather -- captured; with foreach=True, whose _foreach_norm / _foreach_mul_ the capture takes apart per tensor).
+    # fp32 activations, TF32 off: against eager torch (SGD with momentum: scale-sensitive), as
     # tests/test_gpu_train_step.py's fp32 comparisons
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    model = MLP(64, 128, 32).cuda()
+    lm = model_name != "mlp"
+    model = (_tied_lm_padded() if lm else MLP(64, 128, 32)).cuda()
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    step = forge.compile_train_step(clip_step(model, opt, 0.05), cuda_graphs=True)
-    ref_step = clip_step(ref, ref_opt, 0.05)
+    loss_fn = _lm_loss if lm else torch.nn.functional.mse_loss
+    step = forge.compile_train_step(clip_step(model, opt, 0.05, loss_fn, foreach), cuda_graphs=True)
+    ref_step = clip_step(ref, ref_opt, 0.05, loss_fn, foreach)
     replays = sg.counters["replays"]
-    for x, y in _batches(6, (32, 64), (32, 32), "cuda"):
+    for x, y in (_lm_batches(6, "cuda") if lm else _batches(6, (32, 64), (32, 32), "cuda")):
         (_, n), (_, rn) = step(x, y), ref_step(x, y)
         assert rn > 0.1, "the test must clip"
         torch.testing.assert_close(n, rn, rtol=1e-5, atol=0)
     rep = step.last_report
     assert any("replayed as one CUDA graph" in s for s in rep.notes), rep.notes
     assert any("read clip_grad_norm_'s coefficient" in s for s in rep.notes), rep.notes
+    assert all(r.fused for r in rep.rows if len(r.shape) == 2), str(rep)
     assert sg.counters["replays"] > replays, dict(sg.counters)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

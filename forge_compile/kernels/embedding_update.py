@@ -32,7 +32,7 @@ from .wgrad_update import triton_on_cpu
 log = logging.getLogger(__name__)
 
 __all__ = ["embedding_update", "embedding_update_table", "reference_embedding_update", "compact_rows",
-           "check_embedding_args", "render_embedding_update_source"]
+           "compact_rows_by_id", "check_embedding_args", "render_embedding_update_source"]
 
 aten = torch.ops.aten
 
@@ -45,9 +45,9 @@ def reference_embedding_update(weight, grad_output, indices, states, hparams, ru
     return grad
 
 
-def compact_rows(grad_output, indices, num_rows: int, padding_idx: int = -1):
-    """(rows [M, K] in grad_output's dtype, pos [num_rows] int32): row r of the dense gradient is rows[pos[r]] where
-    pos[r] >= 0, else zero. M = indices.numel(); rows past the distinct indices' count are zero."""
+def _renumber(indices):
+    """(sorted indices, each sorted position's compact row, each token's compact row): the distinct indices
+    numbered 0..U-1 in increasing order."""
     flat = indices.reshape(-1)
     srt, perm = torch.sort(flat, stable=True)
     new = torch.ones_like(srt, dtype=torch.bool)
@@ -55,14 +55,38 @@ def compact_rows(grad_output, indices, num_rows: int, padding_idx: int = -1):
     seg_sorted = torch.cumsum(new, 0) - 1
     seg = torch.empty_like(seg_sorted)
     seg[perm] = seg_sorted
+    return srt, seg_sorted, seg.view(indices.shape)
+
+
+def _rows(grad_output, seg):
     # the dense kernel itself on the renumbered indices: its per-row summation order depends only on which
     # indices are equal and in what order, which renumbering in order keeps
-    rows = aten.embedding_dense_backward(grad_output, seg.view(indices.shape), max(1, flat.numel()), -1, False)
-    pos = torch.full((num_rows,), -1, dtype=torch.int32, device=flat.device)
+    rows = aten.embedding_dense_backward(grad_output, seg, max(1, seg.numel()), -1, False)
+    return rows.reshape(-1, grad_output.shape[-1])
+
+
+def compact_rows(grad_output, indices, num_rows: int, padding_idx: int = -1):
+    """(rows [M, K] in grad_output's dtype, pos [num_rows] int32): row r of the dense gradient is rows[pos[r]] where
+    pos[r] >= 0, else zero. M = indices.numel(); rows past the distinct indices' count are zero."""
+    srt, seg_sorted, seg = _renumber(indices)
+    rows = _rows(grad_output, seg)
+    pos = torch.full((num_rows,), -1, dtype=torch.int32, device=srt.device)
     pos[srt] = seg_sorted.to(torch.int32)
     if padding_idx >= 0:
-        pos[padding_idx] = -1
-    return rows.reshape(-1, grad_output.shape[-1]), pos
+        # fill_, not pos[padding_idx] = -1: that copies a CPU scalar tensor, which a CUDA graph capture refuses
+        pos.narrow(0, padding_idx, 1).fill_(-1)
+    return rows, pos
+
+
+def compact_rows_by_id(grad_output, indices):
+    """(rows [M, K] as ``compact_rows``', ids [M]): compact row u holds the dense gradient's row ids[u] (the padding
+    row's tokens included: the caller drops it); rows past the distinct indices' count are zero, their id is
+    the largest index. Static shapes, no host sync (gradient norms under CUDA graphs)."""
+    srt, seg_sorted, seg = _renumber(indices)
+    # segment u starts at the first sorted position whose compact row is u (sorted: a binary search, deterministic)
+    u = torch.arange(srt.numel(), device=srt.device, dtype=seg_sorted.dtype)
+    start = torch.searchsorted(seg_sorted, u).clamp_(max=max(0, srt.numel() - 1))
+    return _rows(grad_output, seg), srt[start]
 
 
 _TEMPLATE = TRITON_RULE_HEAD + '''

@@ -10,6 +10,11 @@ consumes (fp32 accumulation, never rounded to the activations' dtype), so the no
 update uses. It equals torch's ``linalg.vector_norm(dW) ** 2`` up to summation order (a few fp32 ulps).
 Cost: the weight-gradient GEMM once more plus one write and read of each block: the price of clipping without dW.
 
+``forge::embedding_sqnorm`` is the same for an embedding weight (its gradient rows of the tokens seen, from the compact
+[tokens, dim] buffer ``forge::embedding_update_`` reads, padding row left out) and for a tied embedding / output weight
+(dW + the embedding's rows E): ``||dW||^2 + sum over the seen rows r of (2 dW[r] + E[r]) . E[r]`` -- the output
+matmul's dW restricted to the seen rows is one small GEMM (``dy_t[ids] @ x``), so neither dense gradient exists.
+
 ``forge::host_scalar`` carries a 0-dim device value (the clip coefficient) to the host as the float64 0-dim CPU
 tensor every hyper-parameter is: the fused kernels take their scalars as launch arguments. One device-to-host copy
 per step (the first fused update waits for the backward's norms; the rest read the copy); a CUDA graph cannot
@@ -21,7 +26,8 @@ import torch
 
 from .. import _compat
 
-__all__ = ["reference_wgrad_sqnorm", "wgrad_sqnorm", "host_scalar", "SQNORM_BLOCK_BYTES"]
+__all__ = ["reference_wgrad_sqnorm", "wgrad_sqnorm", "reference_embedding_sqnorm", "embedding_sqnorm", "host_scalar",
+           "SQNORM_BLOCK_BYTES"]
 
 # fp32 bytes of dW one block may hold: 32 MiB -- 2048 rows of a 4096-wide weight, where a block's GEMM is still
 # large enough to run near cuBLAS's speed; on CPU MKL's mm is as fast for blocks of this size
@@ -54,6 +60,45 @@ def wgrad_sqnorm(dy_t: torch.Tensor, x: torch.Tensor, block_bytes: int = SQNORM_
     return total
 
 
+def reference_embedding_sqnorm(grad_output, indices, num_rows: int, padding_idx: int = -1, dy_t=None, x=None):
+    """Spec: the dense embedding gradient (plus ``dy_t @ x`` for a tied weight) in fp32, its squared norm."""
+    g = torch.ops.aten.embedding_dense_backward(grad_output, indices, num_rows, padding_idx, False).float()
+    if dy_t is not None:
+        g = g + dy_t.float() @ x.float()
+    return (g * g).sum()
+
+
+def embedding_sqnorm(grad_output, indices, num_rows: int, padding_idx: int = -1, dy_t=None, x=None,
+                     block_bytes: int = SQNORM_BLOCK_BYTES) -> torch.Tensor:
+    from .embedding_update import compact_rows_by_id
+
+    if grad_output.shape[:-1] != indices.shape or indices.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"embedding_sqnorm: grad_output {list(grad_output.shape)} does not match the "
+                         f"{indices.dtype} indices {list(indices.shape)}")
+    if (dy_t is None) != (x is None) or (dy_t is not None and (
+            dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[1] != x.shape[0]
+            or (dy_t.shape[0], x.shape[1]) != (num_rows, grad_output.shape[-1]))):
+        raise ValueError("embedding_sqnorm: dy_t and x must both be given and compose to the [num_rows, dim] dW")
+    rows, ids = compact_rows_by_id(grad_output, indices)
+    rows = rows.float()
+    # the padding row's tokens are in a compact row too; the dense gradient's padding row is zero
+    keep = ids != padding_idx if padding_idx >= 0 else None
+    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    if dy_t is not None:
+        total += wgrad_sqnorm(dy_t, x, block_bytes)
+        xb = x if x.is_cuda else x.float()
+    step = max(1, block_bytes // 4 // max(1, rows.shape[1]))
+    for u0 in range(0, rows.shape[0], step):
+        e = rows[u0:u0 + step]
+        # ||A_r + E_r||^2 - ||A_r||^2 per seen row r; A = 0 for a plain embedding
+        t = e if dy_t is None else 2 * _mm_fp32(dy_t.index_select(0, ids[u0:u0 + step]), xb) + e
+        per_row = (t * e).sum(1)
+        if keep is not None:
+            per_row = torch.where(keep[u0:u0 + step], per_row, 0.0)
+        total += per_row.sum()
+    return total
+
+
 _LIB = torch.library.Library("forge", "FRAGMENT")
 _LIB.define("wgrad_sqnorm(Tensor dy_t, Tensor x) -> Tensor")
 _LIB.impl("wgrad_sqnorm", lambda dy_t, x: wgrad_sqnorm(dy_t, x), "CompositeExplicitAutograd")
@@ -62,6 +107,17 @@ _LIB.impl("wgrad_sqnorm", lambda dy_t, x: wgrad_sqnorm(dy_t, x), "CompositeExpli
 @torch.library.register_fake("forge::wgrad_sqnorm", lib=_LIB)
 def _(dy_t, x):
     return x.new_empty((), dtype=torch.float32)
+
+
+_LIB.define("embedding_sqnorm(Tensor grad_output, Tensor indices, int num_rows, int padding_idx, Tensor? dy_t=None, "
+            "Tensor? x=None) -> Tensor")
+_LIB.impl("embedding_sqnorm", lambda grad_output, indices, num_rows, padding_idx, dy_t=None, x=None: embedding_sqnorm(
+    grad_output, indices, num_rows, padding_idx, dy_t, x), "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::embedding_sqnorm", lib=_LIB)
+def _(grad_output, indices, num_rows, padding_idx, dy_t=None, x=None):
+    return grad_output.new_empty((), dtype=torch.float32)
 
 
 # cudagraph_unsafe: a device-to-host copy; Inductor's cudagraphs leave it out of a captured graph

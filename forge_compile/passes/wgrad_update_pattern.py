@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import OpOverload, op_overload_name, op_schema
-from ..kernels import wgrad_norm as _wgrad_norm  # noqa: F401  (registers forge::wgrad_sqnorm, forge::host_scalar)
+from ..kernels import wgrad_norm as _wgrad_norm  # noqa: F401  (registers forge::wgrad_sqnorm, embedding_sqnorm, host_scalar)
 from ..optim.rule import get_rule, grad_scaled_rule
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,6 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     if isinstance(found, str):
         return None, found
     mm, chain, transposed, emb, scale_mul, norms = found
-    if (scale_mul is not None or norms) and (emb is not None or mm.target is _EMB_BACKWARD):
-        return None, ("an embedding's gradient is scaled or its norm read (clip_grad_norm_): only a matmul's dW is "
-                      "fused then")
     return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms)), ""
 
 
@@ -182,7 +179,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
                     "opt.step() -- or returned); zero the gradients after the step to fuse it")
         if others:
             return (f"gradient is also read by {_describe_users(cur, consumer)} "
-                    "(e.g. clip_grad_norm_(foreach=True), a gradient statistic other than its L2 norm)")
+                    "(e.g. a gradient statistic other than its L2 norm)")
         if cur.target is aten.mm.default or (embeddings and cur.target is _EMB_BACKWARD):
             if scale_mul is not None and scaled_norm:
                 return "the norm of the scaled gradient is read (after clip_grad_norm_'s scaling)"
@@ -450,11 +447,12 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         # fused rows say how when it is not the plain matmul case
         how = ("embedding: gradient rows of the tokens seen, no dense gradient" if match.embedding else
                "tied: the output matmul's dW + the embedding's rows" if match.emb is not None else "")
-        if match.scale is not None or match.norms:
-            how = ", ".join(
-                (["gradient scaled in the update (clip_grad_norm_)"] if match.scale is not None else [])
-                + ([f"its norm computed from dY and X ({len(match.norms)} reader{'s' * (len(match.norms) > 1)})"]
-                   if match.norms else []))
+        source = "the gradient rows" if match.embedding else "dY and X" if match.emb is None else "dY, X and the rows"
+        how = ", ".join(
+            ([how] if how else []) + (["gradient scaled in the update (clip_grad_norm_)"] if match.scale is not None
+                                      else [])
+            + ([f"its norm computed from {source} ({len(match.norms)} reader{'s' * (len(match.norms) > 1)})"]
+               if match.norms else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
@@ -463,14 +461,15 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
         for nn in match.norms:
-            _replace_norm(graph, nn, match.mm)
+            _replace_norm(graph, nn, match)
         if match.scale is not None:
             if match.scale not in host_scales:
                 host_scales[match.scale] = _host_scale(graph, match.scale, hparams)
             hs = host_scales[match.scale]
             # the fused op goes after the host copy of the factor; that copy sits right after the factor
             anchor = hs if anchor is match.scale else anchor
-            apply.args = (weight, apply.args[1], states, list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name)
+            hparams, rule = list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name
+            apply.args = (weight, apply.args[1], states, hparams, rule)
         if match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
             with graph.inserting_after(anchor):
@@ -517,15 +516,31 @@ def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
             "an fp32 TF32 step measured 1.08-1.09x, the bf16 autocast one 1.17-1.20x (benchmarks/RESULTS.md)")
 
 
-def _replace_norm(graph: fx.Graph, norm: fx.Node, mm: fx.Node) -> None:
-    """``linalg_vector_norm(dW)`` -> ``sqrt(forge::wgrad_sqnorm(mm's operands))``: the norm of ``mm``'s product
-    (transposes and views do not change it), without the product."""
+def _replace_norm(graph: fx.Graph, norm: fx.Node, match: _Match) -> None:
+    """``linalg_vector_norm(dW)`` -> ``sqrt(forge::wgrad_sqnorm(mm's operands))``: the norm of the matmul's product
+    (transposes and views do not change it), without the product; an embedding's or a tied weight's through
+    ``forge::embedding_sqnorm`` (the compact rows; for a tied weight plus the matmul's dW in W's orientation)."""
+    new = []
     with graph.inserting_before(norm):
-        sq = graph.call_function(torch.ops.forge.wgrad_sqnorm.default, tuple(mm.args[:2]))
+        if match.emb is None and not match.embedding:
+            sq = graph.call_function(torch.ops.forge.wgrad_sqnorm.default, tuple(match.mm.args[:2]))
+        else:
+            emb = match.mm if match.embedding else match.emb
+            grad_output, indices, num_rows, padding_idx = emb.args[:4]
+            kwargs = {}
+            if match.emb is not None:
+                a, b = match.mm.args[:2]
+                if match.transposed:
+                    a, b = graph.call_function(aten.t.default, (b,)), graph.call_function(aten.t.default, (a,))
+                    new += [a, b]
+                kwargs = dict(dy_t=a, x=b)
+            sq = graph.call_function(torch.ops.forge.embedding_sqnorm.default,
+                                     (grad_output, indices, num_rows, padding_idx), kwargs)
         root = graph.call_function(aten.sqrt.default, (sq,))
     for n in (sq, root):
         if "val" in norm.meta:
             n.meta["val"] = norm.meta["val"]
+    for n in new + [sq, root]:
         n.meta["forge"] = "wgrad_norm"
     norm.replace_all_uses_with(root)
     graph.erase_node(norm)
