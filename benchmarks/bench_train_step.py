@@ -211,9 +211,12 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
                 f"forge refused AdamW(fused=True), using fused=False ({e})")
 
 
-def make_step(route, wl, opt, autocast, inductor_options=None, clip=None):
+def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=1):
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route;
-    ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route."""
+    ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route;
+    ``accum``: the batch split into that many micro-batches, forward + backward each (loss / accum), the gradients
+    accumulated, then one update -- in every route."""
+    accum = max(1, int(accum or 1))
     io = dict(inductor_options or {})
     params = list(wl.parameters())
     # *_group: the fused updates that read one input grouped into one launch (FORGE_BENCH_GROUP=width: the width
@@ -226,9 +229,10 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None):
         import forge_compile as forge
 
         def body(x, y):
-            with autocast():
-                loss = wl(x, y)
-            loss.backward()
+            for xi, yi in zip(x.chunk(accum), y.chunk(accum)):
+                with autocast():
+                    loss = wl(xi, yi) / accum
+                loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
@@ -259,13 +263,17 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None):
     graphs = route in ("baseline_graphs", "backend_graphs")
 
     def train_step(x, y):
-        if graphs:     # a new iteration for Inductor's CUDA-graph trees (the last one's outputs may be reused)
-            torch.compiler.cudagraph_mark_step_begin()
-        with autocast():
-            loss = cm(x, y)
-            if graphs:
-                loss = loss.clone()     # the graph's output buffer is rewritten by the next replay
-        loss.backward()
+        for i, (xi, yi) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            # a new iteration for Inductor's CUDA-graph trees (the last one's outputs may be reused) -- once per
+            # step: marked between accumulated passes too, the run failed (H100, torch 2.11: "accessing tensor
+            # output of CUDAGraphs that has been overwritten by a subsequent run", in the second pass's forward)
+            if graphs and i == 0:
+                torch.compiler.cudagraph_mark_step_begin()
+            with autocast():
+                loss = cm(xi, yi) / accum
+                if graphs:
+                    loss = loss.clone()     # the graph's output buffer is rewritten by the next replay
+            loss.backward()
         if probe["on"]:      # the gradients alive when opt.step() starts (host-side metadata only)
             probe["grad_bytes"] = sum(p.grad.nbytes for g in opt.param_groups for p in g["params"]
                                       if p.grad is not None)
@@ -410,7 +418,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
         print(f"[{route} mb={mb}] note: {note}", flush=True)
     autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
-    step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"), cfg.get("clip_grad_norm"))
+    step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"), cfg.get("clip_grad_norm"),
+                            cfg.get("grad_accum") or 1)
 
     # Correctness steps: one fixed batch, the same in every route (CPU generator, then moved).
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -1087,6 +1096,9 @@ def parse_args(argv):
                    help="time a fixed piece of host work after every timed step (host speed vs host work)")
     p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
                    help="every route clips: clip_grad_norm_(model.parameters(), MAX) between backward and opt.step()")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="every route splits each micro-batch into K passes (forward + backward each, the gradients "
+                        "accumulated), then one update; tokens per step unchanged")
     p.add_argument("--power", action="store_true",
                    help="CUDA: sample SM clock, power and throttle reasons with nvidia-smi during the timed steps "
                         "(benchmarks/gpu_power.py): is the step power-capped? Take --iters large enough for >= 1 s")
@@ -1130,7 +1142,7 @@ def main(argv=None):
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
                forge_adamw_fused=args.forge_adamw_fused, repeat=args.repeat, cprofile=bool(args.cprofile),
                host_probe=bool(args.host_probe), ab_direct=bool(args.ab_direct), affinity=args.affinity,
-               power=bool(args.power), clip_grad_norm=args.clip_grad_norm,
+               power=bool(args.power), clip_grad_norm=args.clip_grad_norm, grad_accum=args.grad_accum,
                inductor_options={**json.loads(args.inductor_options), **({"cpp_wrapper": True} if args.cpp_wrapper
                                                                           else {})})
     lines = []
@@ -1148,6 +1160,8 @@ def main(argv=None):
               f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
               + ("; tied lm_head" if args.tied else "")
               + ("; activation checkpointing per layer" if args.checkpoint else "")
+              + (f"; clip_grad_norm_ {args.clip_grad_norm:g}" if args.clip_grad_norm else "")
+              + (f"; {args.grad_accum} accumulated passes per step" if args.grad_accum > 1 else "")
               + (f"; Inductor options (every compiled route) {cfg['inductor_options']}"
                  if cfg["inductor_options"] else ""))
     log(header.replace("\n", "; ").replace(" ({gpu})", ""))

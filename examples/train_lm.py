@@ -300,10 +300,15 @@ def lm_loss(logits, y):
 
 
 def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_weight_copies=False,
-                    cast_weights_in_update=False, clip_grad_norm=None):
+                    cast_weights_in_update=False, clip_grad_norm=None, grad_accum=1):
     """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route (``cuda_graphs``:
     route step replayed as one CUDA graph; ``recompute_weight_copies``, ``cast_weights_in_update``: see
-    forge.compile_train_step; ``clip_grad_norm``: clip_grad_norm_(model.parameters(), it) before opt.step())."""
+    forge.compile_train_step; ``clip_grad_norm``: clip_grad_norm_(model.parameters(), it) before opt.step();
+    ``grad_accum``: the batch split into that many passes, forward + backward each, the gradients accumulated
+    before the one update)."""
+    def passes(x, y):
+        return zip(x.chunk(grad_accum), y.chunk(grad_accum))
+
     def clip():
         if clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
@@ -312,16 +317,22 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
         @forge.compile_train_step(cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
                                   cast_weights_in_update=cast_weights_in_update)
         def train_step(x, y):
-            with autocast():
-                loss = lm_loss(model(x), y)
-            loss.backward()
+            total = 0.0
+            for xi, yi in passes(x, y):   # traced per pass: each weight's update reads all passes' dY and X
+                with autocast():
+                    loss = lm_loss(model(xi), yi) / grad_accum
+                loss.backward()
+                total = total + loss.detach()
             clip()      # traced into the step: the fused weights' norms from dY and X, the clip in their update
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss
+            return total
         return train_step
 
     if route == "backend":
+        if grad_accum > 1:
+            raise SystemExit("--grad-accum needs --route step or off: the Dynamo route updates fused weights inside "
+                             "each loss.backward(), so a second pass before opt.step() raises")
         if clip_grad_norm:
             raise SystemExit("--clip-grad-norm needs --route step or off: the Dynamo route updates fused weights inside "
                              "loss.backward(), before any gradient norm exists")
@@ -337,13 +348,16 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
         raise ValueError(route)
 
     def train_step(x, y):
-        with autocast():
-            loss = lm_loss(cmodel(x), y)
-        loss.backward()
+        total = 0.0
+        for xi, yi in passes(x, y):
+            with autocast():
+                loss = lm_loss(cmodel(xi), yi) / grad_accum
+            loss.backward()
+            total = total + loss.detach()
         clip()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
     return train_step
 
 
@@ -453,7 +467,7 @@ def train(args):
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
     train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
-                                 args.cast_weights_in_update, args.clip_grad_norm)
+                                 args.cast_weights_in_update, args.clip_grad_norm, args.grad_accum)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -659,6 +673,9 @@ def parse_args(argv):
                         "(one cast kernel less per weight and step; the copies stay between steps)")
     p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
                    help="clip_grad_norm_(model.parameters(), MAX) before each opt.step() (routes step and off)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="split each batch into K passes, backward() each, one opt.step() (routes step and off; "
+                        "route step fuses a weight where all passes' dY and X are at most half its fp32 dW)")
     p.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.optim.AdamW(fused=True) (default: on CUDA only)")
     p.add_argument("--untimed-steps", type=int, default=3,
@@ -680,6 +697,8 @@ def parse_args(argv):
             setattr(args, k, v)
     if args.fused_adamw is None:
         args.fused_adamw = torch.device(args.device).type == "cuda"
+    if args.grad_accum < 1 or args.batch_size % args.grad_accum:
+        p.error(f"--grad-accum {args.grad_accum} must divide --batch-size {args.batch_size}")
     return args
 
 

@@ -80,6 +80,19 @@ def test_clip_grad_norm_step_matches_off(tmp_path):
     assert step["fusion_report"].count("clip_grad_norm_") >= 8, step["fusion_report"]
 
 
+def test_grad_accum_step_matches_off():
+    # --grad-accum 2: the batch as 2 passes, backward() each, one update; route step fuses every weight whose passes'
+    # dY and X are at most half its fp32 dW (2 x 16 tokens against the 128-wide layers) and trains as route off
+    short = ["--seq-len", "16", "--steps", "3", "--grad-accum", "2"]
+    step = run("--route", "step", *short)
+    off = run("--route", "off", *short)
+    _check_result(step, 3)
+    torch.testing.assert_close(torch.tensor(step["losses"]), torch.tensor(off["losses"]), rtol=1e-4, atol=1e-5)
+    assert step["fusion_report"].count("sum of 2 matmuls' dW") >= 8, step["fusion_report"]
+    with pytest.raises(SystemExit):
+        run("--route", "step", "--steps", "1", "--grad-accum", "3")    # does not divide the batch of 2
+
+
 @pytest.mark.skipif(not HAS_BACKEND, reason="forge_compile.backend (the Dynamo route) does not exist yet")
 def test_route_backend(step_run_4):
     r = run("--route", "backend", "--steps", "4")

@@ -237,6 +237,35 @@ v138 = forge.embedding_sqnorm(v137, in55, 10, 3, dy_t=v74, x=v60)
 v160 = forge.host_scalar(v159)
 v165 = forge.wgrad_update_(in0, v74, v60, [in11], [in22, in23, in24, v160], 'grad_scaled(sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False])', emb_grad_output=v137, emb_indices=in55, emb_padding_idx=3)""")
 
+    def test_mlp_accumulated_passes(self):
+        # backward() per micro-batch: fc1's gradient (2 passes of 1 token, 192 B of dY and X <= half its 512 B dW)
+        # becomes one fused update over both passes' dY rows and X concatenated (dy_t = the rows' concatenation,
+        # permuted: a view); fc2's operands (160 B) outweigh half its 256 B dW, so it stays the sum of two mms
+        model = MLP(8, 16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(xs, ys):
+            for x, y in zip(xs, ys):
+                loss = F.mse_loss(model(x), y) / 2; loss.backward()
+            opt.step(); opt.zero_grad(); return loss
+        g, rep = _rewritten(step, [torch.randn(1, 8), torch.randn(1, 8)], [torch.randn(1, 4), torch.randn(1, 4)])
+        self.assertIn("outweighing the fp32 dW (256 B)", rep.row("model.fc2.weight").reason)
+        rows = "\n".join(ln for ln in g.splitlines() if any(k in ln for k in ("forge.", "cat", "aten.mm", "add_")))
+        self.assertExpectedInline(rows, """\
+v11 = aten.mm(v9, v10)
+v13 = aten.mm(v12, v2)
+v33 = aten.mm(v31, v32)
+v36 = aten.mm(v34, v35)
+v40 = aten.add_(v16, v39)
+v42 = aten.add_(v17, v41)
+v47 = aten.cat([v45, v46], 0)
+v48 = aten.cat([in8, in9], 0)
+v50 = forge.wgrad_update_(in0, v49, v48, [], [in4], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v53 = aten.add_(v21, v52)
+v54 = forge.apply_rule_(in1, v53, [], [in5], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v55 = forge.apply_rule_(in2, v42, [], [in6], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v56 = forge.apply_rule_(in3, v40, [], [in7], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')""")
+
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"
         from forge_compile import step_graph as sg

@@ -65,6 +65,14 @@ class _Match:
     emb: Optional[fx.Node] = None    # a tied weight: the embedding backward whose gradient dW adds (mm + emb)
     scale_mul: Optional[fx.Node] = None  # gradient x a 0-dim fp32 factor (clip_grad_norm_'s mul_), on the chain
     norms: tuple = ()                # L2 norms of the (unscaled) gradient, computed again from dY and X
+    # accumulation inside the step: every backward pass's (mm, transposed), in the sum's order; mm/transposed are the
+    # last one's. The update then reads all passes' dY and X, concatenated over the token dimension
+    passes: tuple = ()
+
+    @property
+    def pairs(self) -> tuple:
+        """(mm, transposed) of every matmul whose product dW is (one, or the passes')."""
+        return self.passes or ((self.mm, self.transposed),)
 
     @property
     def scale(self) -> Optional[fx.Node]:
@@ -103,8 +111,8 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     found = _walk(apply.args[1], apply, embeddings, True)
     if isinstance(found, str):
         return None, found
-    mm, chain, transposed, emb, scale_mul, norms = found
-    return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms)), ""
+    mm, chain, transposed, emb, scale_mul, norms, passes = found
+    return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms), tuple(passes)), ""
 
 
 def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
@@ -121,11 +129,13 @@ def _only_returned(node: fx.Node) -> bool:
             and all(u.op == "output" for u in node.users))
 
 
-def _from_matmul(node) -> bool:
-    """``node`` is a matmul's output, up to transposes, same-shape views and upcasts (the report's wording only)."""
+def _from_weight_gradient(node) -> bool:
+    """``node`` is a matmul's or an embedding backward's output or a sum (a tied weight's), up to transposes,
+    same-shape views and upcasts (the report's wording only)."""
     while isinstance(node, fx.Node) and node.target in _TRANSPOSES | _IDENTITIES | _UPCASTS and node.args:
         node = node.args[0]
-    return isinstance(node, fx.Node) and node.target is aten.mm.default
+    return isinstance(node, fx.Node) and node.target in (aten.mm.default, _EMB_BACKWARD, aten.add.Tensor,
+                                                         aten.add_.Tensor)
 
 
 def _in_place(target) -> bool:
@@ -159,8 +169,8 @@ def _is_grad_scale(node: fx.Node) -> bool:
 
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
-    (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers),
-    or the reason there is none. Besides the path, a node may be read by L2 norms (clip_grad_norm_, a logged
+    (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers,
+    accumulated passes' (mm, transposed) or ()), or the reason there is none. Besides the path, a node may be read by L2 norms (clip_grad_norm_, a logged
     gradient norm) when it holds the unscaled gradient; one multiplication by a 0-dim fp32 factor (clip_grad_norm_'s
     in-place ``mul_``) is taken into the update (``optim.rule.grad_scaled_rule``)."""
     chain = []
@@ -184,9 +194,9 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if scale_mul is not None and scaled_norm:
                 return "the norm of the scaled gradient is read (after clip_grad_norm_'s scaling)"
             if cur.target is aten.mm.default:
-                return cur, chain, transposed, None, scale_mul, norms
+                return cur, chain, transposed, None, scale_mul, norms, ()
             why = _emb_reason(cur, transposed)
-            return why if why else (cur, chain, False, None, scale_mul, norms)
+            return why if why else (cur, chain, False, None, scale_mul, norms, ())
         if _is_grad_scale(cur):
             if scale_mul is not None:
                 return "gradient is scaled twice before the update"
@@ -194,14 +204,19 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             chain.append(cur)
             consumer, cur = cur, cur.args[0]
             continue
+        acc = _accumulation(cur, embeddings) if cur.target in (aten.add.Tensor, aten.add_.Tensor) else None
+        if acc is not None:
+            parts, acc_chain = acc
+            passes = tuple((m, transposed != t) for m, t in parts)
+            return passes[-1][0], chain + [cur] + acc_chain, passes[-1][1], None, scale_mul, norms, passes
         if cur.op == "call_function" and _in_place(cur.target) and cur.target not in _UPCASTS:
             if cur.target is aten.add_.Tensor and any(isinstance(a, fx.Node) and a.op == "placeholder"
                                                       for a in cur.args[:2]):
                 return ("gradient accumulates into the .grad set before the step (accumulation over calls); "
                         "fusing it would need dW")
-            if cur.target is aten.add_.Tensor and any(_from_matmul(a) for a in cur.args[:2]):
-                return ("gradient sums several backward passes (accumulation inside the step): fusing it would keep "
-                        "each pass's dY and X until the last one; not supported")
+            if cur.target is aten.add_.Tensor and any(_from_weight_gradient(a) for a in cur.args[:2]):
+                return ("gradient sums several backward passes (accumulation inside the step), not each a plain "
+                        "matmul's dW or each an embedding's (a tied weight's passes stay unfused)")
             return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_value_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
@@ -219,7 +234,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if isinstance(tied, str):
                 return tied
             mm, mm_chain, mm_t, emb, emb_chain = tied
-            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale_mul, norms
+            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale_mul, norms, ()
         elif cur.op == "placeholder":
             return "gradient is a graph input"
         else:
@@ -235,7 +250,7 @@ def _tied_sum(add: fx.Node, allowed: bool, transposed: bool):
     if not allowed or len(add.args) != 2 or add.kwargs:
         return several
     sides = [_walk(a, add, True, False) for a in add.args]
-    if any(isinstance(x, str) or x[4] is not None or x[5] for x in sides):
+    if any(isinstance(x, str) or x[4] is not None or x[5] or x[6] for x in sides):
         return several
     by_kind = {("emb" if x[0].target is _EMB_BACKWARD else "mm"): x for x in sides}
     if set(by_kind) != {"mm", "emb"}:
@@ -246,6 +261,29 @@ def _tied_sum(add: fx.Node, allowed: bool, transposed: bool):
     if why:
         return why
     return mm, mm_chain, mm_t, emb, emb_chain
+
+
+def _accumulation(add: fx.Node, embeddings: bool):
+    """``add`` (in place or not) sums backward passes' weight gradients, each a plain matmul's dW -- or, with
+    ``embeddings``, each the same embedding's backward -- (accumulation inside the step: ``backward()`` called per
+    micro-batch, AccumulateGrad's ``add_``): ([(producer, transposed)] in the sum's order, the nodes on the way), or
+    None."""
+    if len(add.args) != 2 or add.kwargs or not all(isinstance(a, fx.Node) for a in add.args):
+        return None
+    parts, chain = [], []
+    for side in add.args:
+        found = _walk(side, add, embeddings, False)
+        if isinstance(found, str):
+            return None
+        mm, side_chain, t, emb, scale_mul, norms, passes = found
+        if emb is not None or scale_mul is not None or norms:
+            return None
+        parts += list(passes) if passes else [(mm, t)]
+        chain += side_chain
+    kinds = {m.target if m.target is aten.mm.default else (m.target, *m.args[2:]) for m, _ in parts}
+    if len(kinds) != 1 or any(t for m, t in parts if m.target is _EMB_BACKWARD):
+        return None    # a matmul's passes and an embedding's (a tied weight), or different embedding backwards
+    return parts, chain
 
 
 def _aliases(node: fx.Node) -> set:
@@ -358,13 +396,16 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         elif sv is None or tuple(sv.shape) != tuple(w.shape) or sv.dtype != torch.float32 or not sv.is_contiguous():
             return False, f"state {rule.states[i]!r} is not an fp32 contiguous tensor shaped like the parameter", None
     a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
-    emb = match.mm if match.embedding else match.emb
-    if emb is not None:
+    for emb in ([m for m, _ in match.pairs] if match.embedding else [match.emb] if match.emb is not None else []):
         why = _embedding_unsupported(emb, w)
         if why:
             return False, why, None
     if not match.embedding and (a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype):
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
+    if match.passes:
+        why = _accumulation_unsupported(match, w)
+        if why:
+            return False, why, None
     if match.scale_mul is not None:
         mul = match.scale_mul
         # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of
@@ -402,10 +443,45 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     if after_copies:
         copies = _derived(w_alias, elementwise=False)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
-    anchor = max([match.mm] + ([match.emb] if match.emb is not None else []) + before
+    anchor = max([m for m, _ in match.pairs] + ([match.emb] if match.emb is not None else []) + before
                  + ([match.scale] if match.scale is not None else []), key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
+
+
+def _accumulation_unsupported(match: _Match, w) -> Optional[str]:
+    """Why the passes of an accumulating gradient cannot feed one fused update, or None. The update reads every
+    pass's dY and X (an embedding's: gradient rows and indices), concatenated over tokens: they stay alive until it
+    runs (each pass's X would otherwise be freed after its backward) and the concatenation holds a second copy of
+    them while it runs, so it fuses only where the two together are no larger than the fp32 dW that fusing never
+    allocates (at that point of the backward the unfused step holds all of dW): operands <= dW / 2."""
+    from ..report import _fmt_bytes   # report imports this module
+
+    metas = [(_meta(m.args[0]), _meta(m.args[1])) for m, _ in match.pairs]
+    if any(a is None or b is None for a, b in metas):
+        return "an accumulated pass's operands have no shape"
+    if match.embedding:
+        dtypes = {a.dtype for a, _ in metas}
+        kept = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in metas)
+    else:
+        dtypes = {a.dtype for a, _ in metas} | {b.dtype for _, b in metas}
+        kept = sum(a.numel() + b.numel() for a, b in metas) * metas[0][0].element_size()
+    if len(dtypes) != 1:
+        return f"accumulated passes' operands differ in dtype ({sorted(map(str, dtypes))})"
+    dw = w.numel() * 4
+    if 2 * kept > dw:
+        what = "gradient rows and indices" if match.embedding else "dY and X"
+        return (f"gradient is the {_sum_of(match)}: their {what} ({_fmt_bytes(kept)}) would stay alive until the "
+                f"update and be copied once more to concatenate them, outweighing the fp32 dW ({_fmt_bytes(dw)}) "
+                "fusing saves")
+    return None
+
+
+def _sum_of(match: _Match) -> str:
+    n = len(match.passes)
+    what = "embedding backwards" if match.embedding else "matmuls' dW"
+    used = "an embedding" if match.embedding else "a weight"
+    return f"sum of {n} {what} (accumulated backward passes, or {used} used {n} times)"
 
 
 def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False,
@@ -453,6 +529,9 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
                                       else [])
             + ([f"its norm computed from {source} ({len(match.norms)} reader{'s' * (len(match.norms) > 1)})"]
                if match.norms else []))
+        if match.passes:
+            what = "gradient rows and indices" if match.embedding else "dY and X"
+            how = ", ".join([f"{_sum_of(match)}: their {what} concatenated over tokens"] + ([how] if how else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
@@ -460,8 +539,13 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     for match, anchor in rewrites:
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
+        operands = None
+        if match.passes:
+            operands, last = _accumulated_operands(graph, match, order)
+            # the fused op must follow the concatenation, which follows the last pass's matmul
+            anchor = last if order.get(anchor, -1) <= max(order[m] for m, _ in match.passes) else anchor
         for nn in match.norms:
-            _replace_norm(graph, nn, match)
+            _replace_norm(graph, nn, match, operands)
         if match.scale is not None:
             if match.scale not in host_scales:
                 host_scales[match.scale] = _host_scale(graph, match.scale, hparams)
@@ -472,16 +556,19 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             apply.args = (weight, apply.args[1], states, hparams, rule)
         if match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
+            if operands is not None:
+                grad_output, indices = operands
             with graph.inserting_after(anchor):
                 fused = graph.call_function(torch.ops.forge.embedding_update_.default,
                                             (weight, grad_output, indices, states, hparams, rule, padding_idx))
             fused.meta["forge"] = "embedding_update"
             counters["fused_embedding"] += 1
         else:
-            _insert_wgrad_update(graph, match, anchor)
+            _insert_wgrad_update(graph, match, anchor, operands)
             counters["fused"] += 1
+            counters["fused_accumulated"] += bool(match.passes)
         graph.erase_node(apply)
-        for n in match.chain + [match.mm] + ([match.emb] if match.emb is not None else []):
+        for n in match.chain + [m for m, _ in match.pairs] + ([match.emb] if match.emb is not None else []):
             if not n.users:
                 graph.erase_node(n)
     graph.lint()
@@ -516,17 +603,21 @@ def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
             "an fp32 TF32 step measured 1.08-1.09x, the bf16 autocast one 1.17-1.20x (benchmarks/RESULTS.md)")
 
 
-def _replace_norm(graph: fx.Graph, norm: fx.Node, match: _Match) -> None:
+def _replace_norm(graph: fx.Graph, norm: fx.Node, match: _Match, operands=None) -> None:
     """``linalg_vector_norm(dW)`` -> ``sqrt(forge::wgrad_sqnorm(mm's operands))``: the norm of the matmul's product
-    (transposes and views do not change it), without the product; an embedding's or a tied weight's through
-    ``forge::embedding_sqnorm`` (the compact rows; for a tied weight plus the matmul's dW in W's orientation)."""
+    (transposes and views do not change it), without the product (accumulated passes: of their concatenated
+    ``operands``); an embedding's or a tied weight's through ``forge::embedding_sqnorm`` (the compact rows; for a
+    tied weight plus the matmul's dW in W's orientation)."""
     new = []
     with graph.inserting_before(norm):
         if match.emb is None and not match.embedding:
-            sq = graph.call_function(torch.ops.forge.wgrad_sqnorm.default, tuple(match.mm.args[:2]))
+            sq = graph.call_function(torch.ops.forge.wgrad_sqnorm.default,
+                                     tuple(operands) if operands is not None else tuple(match.mm.args[:2]))
         else:
             emb = match.mm if match.embedding else match.emb
             grad_output, indices, num_rows, padding_idx = emb.args[:4]
+            if operands is not None:
+                grad_output, indices = operands
             kwargs = {}
             if match.emb is not None:
                 a, b = match.mm.args[:2]
@@ -559,9 +650,67 @@ def _host_scale(graph: fx.Graph, scale: fx.Node, hparams) -> fx.Node:
     return hs
 
 
-def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node) -> None:
-    """``forge::wgrad_update_`` after ``anchor``, its dy_t / x from the matmul's operands."""
+def _accumulated_operands(graph: fx.Graph, match: _Match, order: dict) -> tuple:
+    """((dy_t, x), last node) for accumulated passes, right after the last pass's matmul: dW = dy_t @ x with every
+    pass's dY rows and X rows concatenated over tokens -- dy_t the transposed view of the rows' concatenation, the
+    layout a single pass's dy_t has (no transposing copy). Transposes as ``permute``: Inductor lowers no
+    ``aten.t`` in the Dynamo route's backward graph, which is already decomposed."""
+    rows, xs = [], []
+    made = [max((m for m, _ in match.passes), key=lambda n: order[n])]
+
+    def node(target, args):   # each after the one before: graph order = creation order
+        with graph.inserting_after(made[-1]):
+            made.append(graph.call_function(target, args))
+        return made[-1]
+    if match.embedding:     # (grad_output, indices) of every pass, flat over tokens
+        for emb, _ in match.passes:
+            grad_output, indices = emb.args[:2]
+            rows.append(node(aten.view.default, (grad_output, [-1, _meta(grad_output).shape[-1]])))
+            xs.append(node(aten.view.default, (indices, [-1])))
+    else:
+        for mm, transposed in match.passes:
+            a, b = mm.args[:2]
+            # transposed: mm = dW^T = x^T @ dy_t^T, so mm's operands are (x^T, dY rows)
+            rows.append(b if transposed else node(aten.permute.default, (a, [1, 0])))
+            xs.append(node(aten.permute.default, (a, [1, 0])) if transposed else b)
+    dy_rows = node(aten.cat.default, (rows, 0))
+    x = node(aten.cat.default, (xs, 0))
+    if match.embedding:
+        _fake_values(made[1:])
+        return (dy_rows, x), x
+    dy_t = node(aten.permute.default, (dy_rows, [1, 0]))
+    made = made[1:]
+    _fake_values(made)
+    return (dy_t, x), dy_t
+
+
+def _fake_values(made: list) -> None:
+    """Fake values of new nodes for the passes after this one (shapes, dtypes), from their inputs' own."""
+    for n in made:
+        n.meta["forge"] = "wgrad_update"
+    try:
+        vals = {}
+
+        def val(a):
+            return (vals[a] if a in vals else _meta(a)) if isinstance(a, fx.Node) else a
+        for n in made:
+            vals[n] = n.target(*[[val(i) for i in a] if isinstance(a, list) else val(a) for a in n.args])
+        for n, v in vals.items():
+            n.meta["val"] = v
+    except Exception as e:  # noqa: BLE001 -- a missing value is what the other rewrites leave too
+        log.debug("forge: no fake value for the concatenated operands: %s", e)
+
+
+def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operands=None) -> None:
+    """``forge::wgrad_update_`` after ``anchor``, its dy_t / x from the matmul's operands (accumulated passes: the
+    concatenated ``operands``)."""
     weight, _, states, hparams, rule = match.apply.args
+    if operands is not None:
+        with graph.inserting_after(anchor):
+            fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
+                                        (weight, *operands, states, hparams, rule))
+        fused.meta["forge"] = "wgrad_update"
+        return
     a, b = match.mm.args
     with graph.inserting_after(anchor):
         if match.transposed:
