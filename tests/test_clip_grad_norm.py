@@ -1,8 +1,9 @@
 """clip_grad_norm_ inside compile_train_step: fused weights keep dW unmaterialized.
 
 The pass replaces each fused weight's gradient norm by ``sqrt(forge::wgrad_sqnorm(dY, X))`` (row blocks of dW, one at
-a time; an embedding's or tied weight's by ``forge::embedding_sqnorm``, from the compact gradient rows) and folds the in-place ``g.mul_(coef)`` into the update (``grad_scaled_rule``: the epilogue multiplies the
-fp32 dW tile by the coefficient). Compared here with the same model clipped and trained eagerly.
+a time; an embedding's or tied weight's by ``forge::embedding_sqnorm``, from the compact gradient rows) and folds
+the in-place ``g.mul_(coef)`` into the update (``grad_scaled_rule``: the epilogue multiplies the fp32 dW tile by the
+coefficient). Compared here with the same model clipped and trained eagerly.
 
 Tolerances: the norms are sums of squares over another summation order than torch's ``vector_norm`` of a dW that was
 itself summed in another order, so the clip coefficient differs by a few fp32 ulps; through Adam's 1/sqrt(v) over 4

@@ -170,9 +170,11 @@ def _is_grad_scale(node: fx.Node) -> bool:
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers,
-    accumulated passes' (mm, transposed) or ()), or the reason there is none. Besides the path, a node may be read by L2 norms (clip_grad_norm_, a logged
-    gradient norm) when it holds the unscaled gradient; one multiplication by a 0-dim fp32 factor (clip_grad_norm_'s
-    in-place ``mul_``) is taken into the update (``optim.rule.grad_scaled_rule``)."""
+    accumulated passes' (mm, transposed) or ()), or the reason there is none. Besides the path, a node may be read
+    by L2 norms (clip_grad_norm_, a logged gradient norm) when it holds the unscaled gradient; one multiplication by
+    a 0-dim fp32 factor (clip_grad_norm_'s in-place ``mul_``) is taken into the update
+    (``optim.rule.grad_scaled_rule``); a sum of matmuls' dW (accumulated passes, a weight used twice) becomes one
+    matmul over their concatenated operands (``_accumulation``)."""
     chain = []
     transposed = False
     scale_mul, norms, scaled_norm = None, [], False
