@@ -1,4 +1,5 @@
 """Small models shared by the tests."""
+import copy
 import math
 
 import torch
@@ -197,6 +198,27 @@ def assert_same_training(m1, m2, o1=None, o2=None):
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             for k, v in o1.state[p1].items():
                 assert torch.equal(v, o2.state[p2][k]), k
+
+
+def assert_close_training(m1, m2, rtol, atol):
+    """Two trainings of the same model ended close: every parameter (named in the message)."""
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"param {name}: {m}")
+
+
+def forge_and_eager(model, make_opt, make_step, **options):
+    """One step function, built twice by ``make_step(model, opt)``: on ``model`` compiled with compile_train_step
+    (``options``), and on a deep copy, run eagerly, each with its own ``make_opt(params)``. Returns (forge step,
+    eager step, the copy)."""
+    import forge_compile as forge
+
+    ref = copy.deepcopy(model)
+    fstep = forge.compile_train_step(make_step(model, make_opt(model.parameters())), **options)
+    return fstep, make_step(ref, make_opt(ref.parameters())), ref
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def clip_step(model, opt, max_norm, loss_fn=F.mse_loss, foreach=None):

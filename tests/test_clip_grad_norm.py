@@ -10,7 +10,6 @@ itself summed in another order, so the clip coefficient differs by a few fp32 ul
 steps that stays far below test_compile_train_step's RTOL (1e-5), which these tests reuse. A clip that is wrong by
 a factor (a missed coefficient, a norm of the wrong tensor) moves the weights by > 1e-3.
 """
-import copy
 
 import pytest
 import torch
@@ -21,9 +20,10 @@ from forge_compile.kernels.wgrad_norm import (embedding_sqnorm, reference_embedd
                                               wgrad_sqnorm)
 from forge_compile.optim import rules as R
 from forge_compile.optim.rule import grad_scaled_rule
-from models import MLP, TinyLM, clip_step
+from models import MLP, TinyLM, assert_close_training, clip_step, forge_and_eager, lm_loss
 
 RTOL, ATOL = 1e-5, 1e-6
+SGD_MOMENTUM = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -108,10 +108,6 @@ def _lm_data(steps):
             for _ in range(steps)]
 
 
-def _lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
 OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
@@ -129,15 +125,13 @@ def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
     if model_name == "mlp":
         model, data, loss_fn = MLP(), _mlp_data(4), F.mse_loss
     else:
-        model, data, loss_fn = TinyLM(vocab=40, d=32, tied=model_name == "tied_lm_padded"), _lm_data(4), _lm_loss
+        model, data, loss_fn = TinyLM(vocab=40, d=32, tied=model_name == "tied_lm_padded"), _lm_data(4), lm_loss
         if model_name == "tied_lm_padded":
             model.emb.padding_idx = 3
             for x, _ in data:
                 x[0, :2] = 3
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
-    fstep = forge.compile_train_step(clip_step(model, opt, max_norm, loss_fn))
-    rstep = clip_step(ref, ref_opt, max_norm, loss_fn)
+    fstep, rstep, ref = forge_and_eager(model, OPTIMIZERS[opt_name],
+                                        lambda m, o: clip_step(m, o, max_norm, loss_fn))
     for x, y in data:
         (loss, norm), (rloss, rnorm) = fstep(x, y), rstep(x, y)
         torch.testing.assert_close(loss, rloss.detach(), rtol=RTOL, atol=ATOL)
@@ -150,9 +144,7 @@ def test_clipped_step_trains_like_eager(opt_name, max_norm, model_name):
     # relative error; Inductor's GELU computes that tiny value ~1e-3 apart from eager's, so the compiled step
     # differs from eager by 3.3e-6 there with fusion off too (compile_train_step(fuse=False)). A missed or wrong
     # coefficient moves SGD's weights by far more than ATOL (Adam's update is nearly invariant to a gradient scale).
-    atol = 1e-5 if opt_name == "adamw" else ATOL
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"param {n}: {m}")
+    assert_close_training(model, ref, RTOL, 1e-5 if opt_name == "adamw" else ATOL)
     rep = fstep.last_report
     weights = [r for r in rep.rows if r.name.endswith("weight") and len(r.shape) == 2]
     assert weights and all(r.fused and "clip_grad_norm_" in r.reason for r in weights), str(rep)
@@ -165,8 +157,6 @@ def test_logged_gradient_norm_is_computed_without_dw():
     # a gradient norm read for logging, no clipping: fused, the norm from dY and X
     torch.manual_seed(0)
     model = MLP()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
 
     def make(m, o):
         def step(x, y):
@@ -176,12 +166,11 @@ def test_logged_gradient_norm_is_computed_without_dw():
             return loss, gn
         return step
 
-    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    fstep, rstep, ref = forge_and_eager(model, lambda p: torch.optim.AdamW(p, lr=1e-2), make)
     for x, y in _mlp_data(3):
         (_, gn), (_, rgn) = fstep(x, y), rstep(x, y)
         torch.testing.assert_close(gn, rgn, rtol=RTOL, atol=ATOL)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     row = fstep.last_report.row("m.fc1.weight")
     assert row.fused and "norm computed from dY and X" in row.reason, str(fstep.last_report)
 
@@ -190,8 +179,6 @@ def test_clip_over_some_parameters_only():
     # clipping a subset: the clipped weights get the scaled rule, the others the plain one
     torch.manual_seed(0)
     model = MLP()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
 
     def make(m, o):
         def step(x, y):
@@ -201,11 +188,10 @@ def test_clip_over_some_parameters_only():
             return loss
         return step
 
-    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    fstep, rstep, ref = forge_and_eager(model, SGD_MOMENTUM, make)
     for x, y in _mlp_data(3):
         fstep(x, y), rstep(x, y)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     rep = fstep.last_report
     assert rep.row("m.fc2.weight").fused and "clip_grad_norm_" in rep.row("m.fc2.weight").reason, str(rep)
     assert rep.row("m.fc1.weight").fused and rep.row("m.fc1.weight").reason == "", str(rep)
@@ -217,8 +203,6 @@ def test_clip_foreach_ops_are_fused_per_tensor():
     # itself, so this builds the same ops by hand; eager runs them as they are (the foreach kernels)
     torch.manual_seed(0)
     model = MLP()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
 
     def make(m, o):
         def step(x, y):
@@ -230,13 +214,12 @@ def test_clip_foreach_ops_are_fused_per_tensor():
             return loss, total
         return step
 
-    fstep, rstep = forge.compile_train_step(make(model, opt)), make(ref, ref_opt)
+    fstep, rstep, ref = forge_and_eager(model, SGD_MOMENTUM, make)
     for x, y in _mlp_data(3):
         (_, n), (_, rn) = fstep(x, y), rstep(x, y)
         assert rn > 0.1, "the test must clip"
         torch.testing.assert_close(n, rn, rtol=RTOL, atol=ATOL)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     rep = fstep.last_report
     for name in ("m.fc1.weight", "m.fc2.weight"):
         assert rep.row(name).fused and "clip_grad_norm_" in rep.row(name).reason, str(rep)

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import forge_compile as forge
-from models import MLP, CheckpointedLM, TinyLM, halve_grad
+from models import CheckpointedLM, MLP, TinyLM, halve_grad, lm_loss
 
 # Tolerances: the fused path computes the same update function, but its matmuls (row blocks of dW,
 # whole-graph Inductor kernels for the rest) sum in another order than eager torch, and fp32 rounding
@@ -109,13 +109,9 @@ def _lm_batch(vocab=40, b=2, t=12):
     return idx[:, :-1], idx[:, 1:]
 
 
-def _lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
 def test_transformer_block_matches_torch_optim():
     model, opt, ref, ref_opt, step = _train_both(
-        TinyLM, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), _lm_batch, _lm_loss)
+        TinyLM, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), _lm_batch, lm_loss)
     _assert_same_training(model, opt, ref, ref_opt, "lm")
     fused = {r.name for r in step.last_report.fused}
     # the linear weights, and the embedding (forge::embedding_update_: its dense gradient is never made either)
@@ -132,7 +128,7 @@ def test_bf16_autocast_cpu_fuses_and_trains_close():
     @forge.compile_train_step
     def train_step(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _lm_loss(model(x), y)
+            loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -142,7 +138,7 @@ def test_bf16_autocast_cpu_fuses_and_trains_close():
         x, y = _lm_batch()
         train_step(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            rl = _lm_loss(ref(x), y)
+            rl = lm_loss(ref(x), y)
         rl.backward(); ref_opt.step(); ref_opt.zero_grad()
     assert len(train_step.last_report.fused) == 6      # 5 linear weights and the embedding
     # bf16 activations: eager rounds dW to bf16 before the fp32 update, the fused op does not, and
@@ -333,7 +329,7 @@ def test_no_parameter_or_state_is_cloned_by_inductor():
 
     @forge.compile_train_step
     def step(x, y):
-        loss = _lm_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        loss = lm_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
 
     step(*_lm_batch())
     from forge_compile import _compat
@@ -893,7 +889,7 @@ def test_module_named_twice_traces_once_and_matches_eager(how):
 def test_activation_checkpointing_matches_eager(reentrant):
     # torch.utils.checkpoint in the step: the recompute and (reentrant) the nested backward are traced into the
     # step's graph; the recomputed forward must read each weight before its fused update
-    model, opt, ref, ref_opt, step = _train_both(lambda: CheckpointedLM(reentrant), lambda p: torch.optim.SGD(p, lr=0.1), _lm_batch, _lm_loss,
+    model, opt, ref, ref_opt, step = _train_both(lambda: CheckpointedLM(reentrant), lambda p: torch.optim.SGD(p, lr=0.1), _lm_batch, lm_loss,
                                                  steps=3)
     _assert_same_training(model, opt, ref, ref_opt, f"reentrant={reentrant}")
     assert len(step.last_report.fused) == 10, str(step.last_report)    # 4 per block, the head, the embedding

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import forge_compile as forge
-from models import MLP, Block, TinyLM
+from models import MLP, Block, TinyLM, assert_close_training, forge_and_eager, lm_loss
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -30,6 +30,7 @@ OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
 }
+SGD_MOMENTUM = OPTIMIZERS["sgd_momentum"]
 
 
 def accumulating_step(model, opt, loss_fn, clip=None):
@@ -43,10 +44,6 @@ def accumulating_step(model, opt, loss_fn, clip=None):
         opt.zero_grad()
         return loss, norm
     return step
-
-
-def _lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
 def _block_loss(out, y):
@@ -88,7 +85,7 @@ def _model(model_name):
         return MLP(64, 128, 32), F.mse_loss
     if model_name == "block":
         return _BlockModel(), _block_loss
-    return TinyLM(vocab=40, d=32), _lm_loss
+    return TinyLM(vocab=40, d=32), lm_loss
 
 
 # every optimizer x clip on the MLP; the 3-D Block and TinyLM (embedding) in two of those each (CI time)
@@ -102,19 +99,15 @@ CASES = [("mlp", 3, o, c) for o in OPTIMIZERS for c in (None, 0.05)] + [
 def test_accumulated_step_trains_like_eager(model_name, passes, opt_name, clip):
     torch.manual_seed(0)
     model, loss_fn = _model(model_name)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
-    fstep = forge.compile_train_step(accumulating_step(model, opt, loss_fn, clip))
-    rstep = accumulating_step(ref, ref_opt, loss_fn, clip)
+    fstep, rstep, ref = forge_and_eager(model, OPTIMIZERS[opt_name],
+                                        lambda m, o: accumulating_step(m, o, loss_fn, clip))
     for xs, ys in _data(model_name, 3, passes, torch.Generator().manual_seed(1)):
         (loss, norm), (rloss, rnorm) = fstep(xs, ys), rstep(xs, ys)
         torch.testing.assert_close(loss, rloss.detach(), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(norm, rnorm, rtol=RTOL, atol=ATOL)
         if clip:
             assert rnorm > 2 * clip, "the test must clip"
-    atol = 5e-5 if opt_name == "adamw" else ATOL
-    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=atol, msg=lambda m: f"param {n}: {m}")
+    assert_close_training(model, ref, RTOL, 5e-5 if opt_name == "adamw" else ATOL)
     rep = fstep.last_report
     weights = [r for r in rep.rows if len(r.shape) == 2]
     assert weights and all(r.fused and f"sum of {passes} " in r.reason for r in weights), str(rep)
@@ -129,17 +122,13 @@ def test_accumulation_larger_than_dw_stays_unfused_and_exact():
     # reason names both sizes, and the step is eager's
     torch.manual_seed(0)
     model = MLP(4, 6, 3)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    fstep = forge.compile_train_step(accumulating_step(model, opt, F.mse_loss))
-    rstep = accumulating_step(ref, ref_opt, F.mse_loss)
+    fstep, rstep, ref = forge_and_eager(model, SGD_MOMENTUM, lambda m, o: accumulating_step(m, o, F.mse_loss))
     gen = torch.Generator().manual_seed(2)
     for _ in range(2):
         xs = [torch.randn(40, 4, generator=gen) for _ in range(3)]
         ys = [torch.randn(40, 3, generator=gen) for _ in range(3)]
         fstep(xs, ys), rstep(xs, ys)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     row = fstep.last_report.row("model.fc1.weight")
     assert not row.fused and "sum of 3 matmuls' dW" in row.reason and "outweighing the fp32 dW (96 B)" in row.reason, \
         str(fstep.last_report)
@@ -164,7 +153,7 @@ def test_weight_used_twice_is_fused_like_accumulated_passes(route):
     torch.manual_seed(0)
     model = _Twice()
     ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    opt, ref_opt = SGD_MOMENTUM(model.parameters()), SGD_MOMENTUM(ref.parameters())
 
     def make(m, o):
         def step(x, y):
@@ -191,14 +180,10 @@ def test_tied_weight_accumulation_stays_unfused_and_exact():
     # each pass adds the output matmul's dW and the embedding's rows: not one kind of pass, so unfused (said so)
     torch.manual_seed(0)
     model = TinyLM(vocab=40, d=32, tied=True)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    fstep = forge.compile_train_step(accumulating_step(model, opt, _lm_loss))
-    rstep = accumulating_step(ref, ref_opt, _lm_loss)
+    fstep, rstep, ref = forge_and_eager(model, SGD_MOMENTUM, lambda m, o: accumulating_step(m, o, lm_loss))
     for xs, ys in _data("tiny_lm", 2, 2, torch.Generator().manual_seed(3)):
         fstep(xs, ys), rstep(xs, ys)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     rep = fstep.last_report
     row = rep.row("model.emb.weight")
     assert not row.fused and "several backward passes" in row.reason, str(rep)
@@ -210,14 +195,10 @@ def test_interpreter_accumulated_step(interpret):
     # concatenation, the layout of a single pass's dy_t
     torch.manual_seed(0)
     model, loss_fn = _model("mlp")
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    fstep = forge.compile_train_step(accumulating_step(model, opt, loss_fn, 0.05))
-    rstep = accumulating_step(ref, ref_opt, loss_fn, 0.05)
+    fstep, rstep, ref = forge_and_eager(model, SGD_MOMENTUM, lambda m, o: accumulating_step(m, o, loss_fn, 0.05))
     for xs, ys in _data("mlp", 2, 3, torch.Generator().manual_seed(1)):
         fstep(xs, ys), rstep(xs, ys)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert_close_training(model, ref, RTOL, ATOL)
     assert all(r.fused for r in fstep.last_report.rows if len(r.shape) == 2), str(fstep.last_report)
 
 

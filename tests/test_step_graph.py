@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import forge_compile as forge  # noqa: E402
 from forge_compile import step_graph as sg  # noqa: E402
 from interpreter import run_child  # noqa: E402
-from models import MLP, Block, TinyLM, buffer_reuse_at_compile, clip_step, rerun_recorder  # noqa: E402
+from models import MLP, Block, TinyLM, buffer_reuse_at_compile, clip_step, lm_loss, rerun_recorder  # noqa: E402
 
 
 def _train(model, opt, cuda_graphs, batches, sched=None, replace_state_at=None, autocast=None):
@@ -361,10 +361,6 @@ def _lm_batches(n, device, seed=0):
     return out
 
 
-def _lm_loss(logits, y):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
 @pytest.mark.parametrize("model_name", ["mlp", "tied_lm_padded"])
 def test_interpreter_clip_grad_norm_replayed(cpu_graphs, model_name):
     # clip_grad_norm_ keeps the weights fused and the step replayable: each fused update reads the coefficient from
@@ -379,7 +375,7 @@ def test_interpreter_clip_grad_norm_replayed(cpu_graphs, model_name):
         model = _tied_lm_padded() if lm else MLP()
         ref = copy.deepcopy(model)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-        loss_fn = _lm_loss if lm else torch.nn.functional.mse_loss
+        loss_fn = lm_loss if lm else torch.nn.functional.mse_loss
         step = forge.compile_train_step(clip_step(model, opt, 0.05, loss_fn), cuda_graphs=True)
         ref_step = clip_step(ref, ref_opt, 0.05, loss_fn)
         losses = []
@@ -466,7 +462,7 @@ def test_cuda_replayed_clipping_step_trains_like_eager(model_name, foreach):
     model = (_tied_lm_padded() if lm else MLP(64, 128, 32)).cuda()
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    loss_fn = _lm_loss if lm else torch.nn.functional.mse_loss
+    loss_fn = lm_loss if lm else torch.nn.functional.mse_loss
     step = forge.compile_train_step(clip_step(model, opt, 0.05, loss_fn, foreach), cuda_graphs=True)
     ref_step = clip_step(ref, ref_opt, 0.05, loss_fn, foreach)
     replays = sg.counters["replays"]

@@ -46,14 +46,19 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+def _rhs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as every block's ``_mm_fp32`` reads it: as is on cuBLAS's fp32-out path, else fp32, converted once
+    rather than per block."""
+    return x if x.is_cuda else x.float()
+
+
 def wgrad_sqnorm(dy_t: torch.Tensor, x: torch.Tensor, block_bytes: int = SQNORM_BLOCK_BYTES) -> torch.Tensor:
     if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[1] != x.shape[0]:
         raise ValueError(f"wgrad_sqnorm: dy_t {tuple(dy_t.shape)} and x {tuple(x.shape)} do not compose")
     n, k = dy_t.shape[0], x.shape[1]
     rows = max(1, min(n, block_bytes // 4 // max(1, k)))
     total = torch.zeros((), dtype=torch.float32, device=x.device)
-    # off cuBLAS's fp32-out path every block reads an fp32 X: convert it once, not per block
-    xb = x if x.is_cuda else x.float()
+    xb = _rhs(x)
     for r0 in range(0, n, rows):
         blk = _mm_fp32(dy_t[r0:r0 + rows], xb).reshape(-1)
         total += torch.dot(blk, blk)
@@ -86,7 +91,7 @@ def embedding_sqnorm(grad_output, indices, num_rows: int, padding_idx: int = -1,
     total = torch.zeros((), dtype=torch.float32, device=rows.device)
     if dy_t is not None:
         total += wgrad_sqnorm(dy_t, x, block_bytes)
-        xb = x if x.is_cuda else x.float()
+        xb = _rhs(x)
     step = max(1, block_bytes // 4 // max(1, rows.shape[1]))
     for u0 in range(0, rows.shape[0], step):
         e = rows[u0:u0 + step]

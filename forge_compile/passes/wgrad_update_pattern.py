@@ -462,21 +462,21 @@ def _accumulation_unsupported(match: _Match, w) -> Optional[str]:
     metas = [(_meta(m.args[0]), _meta(m.args[1])) for m, _ in match.pairs]
     if any(a is None or b is None for a, b in metas):
         return "an accumulated pass's operands have no shape"
-    if match.embedding:
-        dtypes = {a.dtype for a, _ in metas}
-        kept = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in metas)
-    else:
-        dtypes = {a.dtype for a, _ in metas} | {b.dtype for _, b in metas}
-        kept = sum(a.numel() + b.numel() for a, b in metas) * metas[0][0].element_size()
+    # an embedding's (grad_output, indices): the indices' dtype is not the rows'
+    dtypes = {a.dtype for a, _ in metas} | (set() if match.embedding else {b.dtype for _, b in metas})
+    kept = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in metas)
     if len(dtypes) != 1:
         return f"accumulated passes' operands differ in dtype ({sorted(map(str, dtypes))})"
     dw = w.numel() * 4
     if 2 * kept > dw:
-        what = "gradient rows and indices" if match.embedding else "dY and X"
-        return (f"gradient is the {_sum_of(match)}: their {what} ({_fmt_bytes(kept)}) would stay alive until the "
-                f"update and be copied once more to concatenate them, outweighing the fp32 dW ({_fmt_bytes(dw)}) "
-                "fusing saves")
+        return (f"gradient is the {_sum_of(match)}: their {_operands_of(match)} ({_fmt_bytes(kept)}) would stay "
+                "alive until the update and be copied once more to concatenate them, outweighing the fp32 dW "
+                f"({_fmt_bytes(dw)}) fusing saves")
     return None
+
+
+def _operands_of(match: _Match) -> str:
+    return "gradient rows and indices" if match.embedding else "dY and X"
 
 
 def _sum_of(match: _Match) -> str:
@@ -532,8 +532,8 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             + ([f"its norm computed from {source} ({len(match.norms)} reader{'s' * (len(match.norms) > 1)})"]
                if match.norms else []))
         if match.passes:
-            what = "gradient rows and indices" if match.embedding else "dY and X"
-            how = ", ".join([f"{_sum_of(match)}: their {what} concatenated over tokens"] + ([how] if how else []))
+            how = ", ".join([f"{_sum_of(match)}: their {_operands_of(match)} concatenated over tokens"]
+                            + ([how] if how else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
@@ -545,7 +545,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         if match.passes:
             operands, last = _accumulated_operands(graph, match, order)
             # the fused op must follow the concatenation, which follows the last pass's matmul
-            anchor = last if order.get(anchor, -1) <= max(order[m] for m, _ in match.passes) else anchor
+            anchor = last if order[anchor] <= max(order[m] for m, _ in match.passes) else anchor
         for nn in match.norms:
             _replace_norm(graph, nn, match, operands)
         if match.scale is not None:
@@ -655,7 +655,7 @@ def _host_scale(graph: fx.Graph, scale: fx.Node, hparams) -> fx.Node:
 def _accumulated_operands(graph: fx.Graph, match: _Match, order: dict) -> tuple:
     """((dy_t, x), last node) for accumulated passes, right after the last pass's matmul: dW = dy_t @ x with every
     pass's dY rows and X rows concatenated over tokens -- dy_t the transposed view of the rows' concatenation, the
-    layout a single pass's dy_t has (no transposing copy). Transposes as ``permute``: Inductor lowers no
+    layout a single pass's dy_t has (no transposing copy); an embedding's: (grad_output rows, indices), flat. Transposes as ``permute``: Inductor lowers no
     ``aten.t`` in the Dynamo route's backward graph, which is already decomposed."""
     rows, xs = [], []
     made = [max((m for m, _ in match.passes), key=lambda n: order[n])]
@@ -677,13 +677,9 @@ def _accumulated_operands(graph: fx.Graph, match: _Match, order: dict) -> tuple:
             xs.append(node(aten.permute.default, (a, [1, 0])) if transposed else b)
     dy_rows = node(aten.cat.default, (rows, 0))
     x = node(aten.cat.default, (xs, 0))
-    if match.embedding:
-        _fake_values(made[1:])
-        return (dy_rows, x), x
-    dy_t = node(aten.permute.default, (dy_rows, [1, 0]))
-    made = made[1:]
-    _fake_values(made)
-    return (dy_t, x), dy_t
+    operands = (dy_rows if match.embedding else node(aten.permute.default, (dy_rows, [1, 0])), x)
+    _fake_values(made[1:])
+    return operands, made[-1]
 
 
 def _fake_values(made: list) -> None:
