@@ -201,18 +201,19 @@ def active_ddp_module():
     return DistributedDataParallel._get_active_ddp_module()
 
 
-def data_parallel_wrapper(modules=(), params=()) -> str | None:
+def data_parallel_wrapper(modules=(), params=(), allow_ddp: bool = False) -> str | None:
     """The data-parallel wrapper whose gradient synchronisation a fused update would bypass, or None:
     DistributedDataParallel (its all-reduce runs in autograd hooks on the gradient accumulators; while its forward
     runs, Dynamo compiles the wrapped module under ``_get_active_ddp_module``), FSDP (FullyShardedDataParallel;
-    its original parameters carry ``_fsdp_flattened``) and FSDP2 (``fully_shard`` makes modules ``FSDPModule``)."""
+    its original parameters carry ``_fsdp_flattened``) and FSDP2 (``fully_shard`` makes modules ``FSDPModule``).
+    ``allow_ddp``: DistributedDataParallel is not asked about (compile_train_step reproduces its synchronisation)."""
     if not torch.distributed.is_available():
         return None
     from torch.nn.parallel import DistributedDataParallel
 
-    if active_ddp_module() is not None:
+    if not allow_ddp and active_ddp_module() is not None:
         return "DistributedDataParallel"
-    types = [DistributedDataParallel]
+    types = [] if allow_ddp else [DistributedDataParallel]
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
         types.append(FullyShardedDataParallel)
@@ -228,6 +229,81 @@ def data_parallel_wrapper(modules=(), params=()) -> str | None:
     if any(getattr(p, "_fsdp_flattened", False) for p in params):
         return "FullyShardedDataParallel"
     return None
+
+
+def ddp_wrappers(modules=()) -> list:
+    """The DistributedDataParallel modules among ``modules`` and their submodules, each once."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    out, seen = [], set()
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, DistributedDataParallel) and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+    return out
+
+
+def ddp_unsupported(ddp) -> str | None:
+    """Why compile_train_step cannot reproduce this DistributedDataParallel's gradient synchronisation in its graph
+    (the mean over ranks of every synchronised gradient, buffers broadcast from rank 0 before the forward), or
+    None. Reads DDP's private configuration (torch 2.11-2.13)."""
+    if getattr(ddp, "_comm_hooks", None):
+        return "a communication hook is registered (register_comm_hook): its reduction is not the mean"
+    logged = ddp._get_ddp_logging_data() if hasattr(ddp, "_get_ddp_logging_data") else {}
+    if logged.get("comm_hook"):      # a built-in hook (_register_builtin_comm_hook) is logged only
+        return f"a communication hook is registered ({logged['comm_hook']}): its reduction is not the mean"
+    if getattr(ddp, "_use_python_reducer", False):
+        return "DDP's Python reducer (compiled_autograd / _DDP_WITH_REPLICATED_TENSOR mode)"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "DDP's mixed_precision option"
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "DDP's delayed all-reduce of all parameters (_set_ddp_sink_clone / delay_all_reduce)"
+    return None
+
+
+def ddp_group(ddp):
+    """(process group, its name in functional collectives, world size) of a DistributedDataParallel."""
+    pg = ddp.process_group
+    return pg, pg.group_name, pg.size()
+
+
+def ddp_synced(ddp) -> bool:
+    """Whether a backward run now would all-reduce (False inside ``no_sync()``)."""
+    return bool(ddp.require_backward_grad_sync)
+
+
+def ddp_ignored(ddp) -> set:
+    """Fully qualified names (relative to ``ddp.module``) of parameters and buffers DDP leaves alone."""
+    return set(getattr(ddp, "parameters_to_ignore", ()) or ())
+
+
+def ddp_syncs_buffers(ddp) -> bool:
+    """Whether DDP broadcasts the module's buffers from rank 0 before each forward."""
+    return bool(ddp.will_sync_module_buffers())
+
+
+# functional collectives (torch.ops._c10d_functional: traced by make_fx, lowered by Inductor)
+C10D_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+C10D_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+C10D_BROADCAST = torch.ops._c10d_functional.broadcast.default
+C10D_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def all_reduce_sum(t, group_name: str):
+    return C10D_WAIT(C10D_ALL_REDUCE(t, "sum", group_name))
+
+
+def broadcast_from(t, src: int, group_name: str):
+    return C10D_WAIT(C10D_BROADCAST(t, src, group_name))
+
+
+def group_size(group_name: str) -> int:
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._resolve_process_group(group_name).size()
 
 
 def optimizer_step_hooks(opt) -> list:

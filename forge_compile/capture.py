@@ -331,6 +331,7 @@ class CompiledTrainStep:
         self._cache: dict = {}
         self._reads = WeakIdKeyDictionary()     # optimizer -> _OptimizerReads
         self._checked_modules = None     # ids of the modules last found free of data-parallel wrappers / GradScaler
+        self._ddps: list = []            # the DistributedDataParallel wrappers the step uses (found with the above)
         self.compile_count = 0
         self.last_report: FusionReport | None = None
 
@@ -382,6 +383,7 @@ class CompiledTrainStep:
         out_info = {}
         fn = self._fn
         mod_items = list(modules.items())
+        ddps = list(self._ddps)
 
         def step(*flat):
             tp = list(flat[:n_p]); tb = list(flat[n_p:n_p + n_b])
@@ -434,6 +436,8 @@ class CompiledTrainStep:
                 l2[i_] = targs[k]
             a2, k2 = pytree.tree_unflatten(l2, in_spec)
             with contextlib.ExitStack() as stack:
+                for ddp in ddps:     # first: it reads the real parameters, which the next lines swap out
+                    stack.enter_context(_ddp_in_graph(ddp, traced))
                 for mname, mod in mod_items:
                     sub = {}
                     for n, p in mod.named_parameters(remove_duplicate=False):
@@ -572,8 +576,11 @@ class CompiledTrainStep:
         if key != self._checked_modules:     # once per set of modules: a tree walk costs ~10 us per 100 modules
             named = _referenced(self._fn).values()
             # with models= given, a DDP wrapper the step calls may not be among them: the step's own modules too
-            wrapper = _compat.data_parallel_wrapper(
-                [*modules.values(), *(o for o in named if isinstance(o, nn.Module))], walk.params)
+            step_modules = [*modules.values(), *(o for o in named if isinstance(o, nn.Module))]
+            wrapper = _compat.data_parallel_wrapper(step_modules, walk.params, allow_ddp=True)
+            ddps = _compat.ddp_wrappers(step_modules)
+            if wrapper is None:
+                _check_ddps(ddps)
             if any(isinstance(o, torch.amp.GradScaler) for o in named):
                 # its unscale_ reads the real parameters' .grad, which the traced step never sets: the trace failed
                 # with "No inf checks were recorded for this optimizer"
@@ -586,10 +593,11 @@ class CompiledTrainStep:
                     f"forge: compile_train_step cannot train a model under {wrapper}: its gradient synchronisation "
                     "across ranks runs in autograd hooks that a compiled step never calls (the backward is part of "
                     "the step's graph), so every rank would update its weights from its own local gradient and the "
-                    "replicas would drift apart silently. Nothing was changed. Data parallelism is not supported "
-                    "(the roadmap's tensor parallelism is: each rank's dW of its shard is complete there). Train the "
-                    "unwrapped model on one rank, or use plain torch.compile for data-parallel training.")
+                    "replicas would drift apart silently. Nothing was changed. Of the data-parallel wrappers only "
+                    "DistributedDataParallel is supported (the step's graph all-reduces, or all-gathers the fused "
+                    "weights' dY and X). Use DistributedDataParallel, or plain torch.compile under this wrapper.")
             self._checked_modules = key
+            self._ddps = ddps
         # checked at every call, before anything runs: a hook registered after the step compiled counts too
         for opt in optimizers:
             if _compat.optimizer_step_hooks(opt):
@@ -623,6 +631,7 @@ class CompiledTrainStep:
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
             torch.is_grad_enabled(), self._fuse,
+            tuple([_compat.ddp_synced(d) for d in self._ddps]),
         )
 
     # what each component of ``_key`` is, for the recompilation warning
@@ -630,7 +639,8 @@ class CompiledTrainStep:
                   "the arguments' structure", "the arguments' shapes, strides or dtypes (or a non-tensor argument)",
                   "the parameter objects", "the parameters' layouts", "the buffers' layouts",
                   "the optimizers' structure", "the optimizer states' layouts", "train/eval mode",
-                  "CUDA autocast", "CUDA autocast dtype", "CPU autocast", "CPU autocast dtype", "grad mode", "fuse")
+                  "CUDA autocast", "CUDA autocast dtype", "CPU autocast", "CPU autocast dtype", "grad mode", "fuse",
+                  "DistributedDataParallel's no_sync()")
 
     def _recompile_reason(self, key) -> str:
         last = next(reversed(self._cache), None)
@@ -834,6 +844,66 @@ def _clone_notes():
         log.warning("forge: Inductor could not update %d bytes in place (a tensor was cloned)", missed)
         return [f"Inductor cloned {missed} bytes it could not update in place"]
     return []
+
+
+def _check_ddps(ddps) -> None:
+    """Raise before anything changed where a DistributedDataParallel's synchronisation cannot be reproduced in the
+    step's graph."""
+    for ddp in ddps:
+        why = _compat.ddp_unsupported(ddp)
+        if why:
+            raise ForgeCaptureError(
+                f"forge: compile_train_step cannot reproduce this DistributedDataParallel's gradient synchronisation: "
+                f"{why}. Nothing was changed. Remove it, or use plain torch.compile for this model.")
+
+
+@contextlib.contextmanager
+def _ddp_in_graph(ddp, traced: dict):
+    """While the step is traced: ``ddp``'s forward is its module's (its reducer, which works in autograd hooks a
+    compiled step never calls, stays out) and what the reducer and the forward would do is traced into the graph:
+    each gradient DDP synchronises is multiplied by 1/world and summed over the ranks (``all_reduce``), as DDP's
+    reducer does per backward -- on each backward's contribution, through a hook on the traced parameter, so that
+    accumulation over passes sums reduced contributions (DDP reduces the accumulated gradient again; the same sum
+    up to rounding, as the pattern pass can fuse it); a gradient that enters the step already set is reduced
+    whole after each accumulation, as DDP does -- and the buffers are broadcast from
+    rank 0 before the forward (``broadcast_buffers``). Inside ``no_sync()`` nothing is added (part of the cache
+    key). The pattern pass turns a reduced matmul gradient into a fused update over the ranks' gathered dY and X."""
+    if not _compat.ddp_synced(ddp):
+        yield
+        return
+    _, gname, world = _compat.ddp_group(ddp)
+    ignored = _compat.ddp_ignored(ddp)
+    inner = ddp.module
+    params = [traced[id(p)] for n, p in inner.named_parameters() if p.requires_grad and n not in ignored]
+    buffers = ([traced[id(b)] for n, b in inner.named_buffers() if n not in ignored and id(b) in traced]
+               if ddp.broadcast_buffers else [])
+    inv = 1.0 / world
+
+    def reduce(g):
+        # DDP's reducer: grad * (1 / world) copied into the bucket, then the bucket summed over the ranks
+        return _compat.all_reduce_sum(g * inv, gname)
+
+    def forward(*args, **kwargs):
+        if buffers and torch.is_grad_enabled():
+            with torch.no_grad():
+                for b in buffers:
+                    b.copy_(_compat.broadcast_from(b, 0, gname))
+        return inner(*args, **kwargs)
+
+    def reduce_accumulated(t):
+        t.grad = reduce(t.grad)
+
+    # a gradient that enters the step (accumulated over calls under no_sync()) is reduced with the first
+    # contribution, as DDP reduces the accumulated .grad: after each accumulation (unfused: the sum needs dW)
+    handles = [t.register_post_accumulate_grad_hook(reduce_accumulated) if t.grad is not None
+               else t.register_hook(reduce) for t in params]
+    ddp.forward = forward
+    try:
+        yield
+    finally:
+        del ddp.forward
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager

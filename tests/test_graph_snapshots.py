@@ -1,5 +1,7 @@
 """expecttest snapshots of rewritten pre-Inductor graphs (version-stable printer).
 Regenerate with EXPECTTEST_ACCEPT=1 after an intended change, and read the diff."""
+import re
+
 import torch
 import torch.nn.functional as F
 from expecttest import TestCase
@@ -265,6 +267,57 @@ v53 = aten.add_(v21, v52)
 v54 = forge.apply_rule_(in1, v53, [], [in5], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
 v55 = forge.apply_rule_(in2, v42, [], [in6], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
 v56 = forge.apply_rule_(in3, v40, [], [in7], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')""")
+
+    def test_mlp_ddp(self):
+        # DistributedDataParallel (one gloo rank in this process): each gradient the mean over the ranks
+        # (x 1/world, all_reduce) as DDP's reducer makes it; a fused weight's update reads every rank's dY rows and
+        # X all-gathered (dy_t = the gathered rows, permuted: a view) and scales dW by 1/world in its epilogue
+        # (grad_scaled rule, a CPU constant as its last hyper-parameter); the biases keep the all_reduce
+        import socket
+
+        import torch.distributed as dist
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(x, y):
+                loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+            g, rep = _rewritten(step, torch.randn(1, 8), torch.randn(1, 4))
+        finally:
+            dist.destroy_process_group()
+        self.assertIn("data parallel: the mean over 1 ranks", rep.row("model.module.fc1.weight").reason)
+        keys = ("forge.", "all_gather", "all_reduce", "wait_tensor", "aten.full", "aten.mul(", "permute")
+        # the group's name is the process's count of groups made so far: not part of what is checked
+        rows = "\n".join(re.sub(r"'\d+'\)$", "'<group>')", ln) for ln in g.splitlines() if any(k in ln for k in keys))
+        self.assertExpectedInline(rows, """\
+v0 = aten.full([], 1.0, dtype=torch.float32)
+v1 = forge.host_scalar(v0)
+v13 = aten.permute(v12, [1, 0])
+v14 = all_gather_into_tensor.default(v13, 1, '<group>')
+v15 = wait_tensor.default(v14)
+v17 = all_gather_into_tensor.default(v16, 1, '<group>')
+v18 = wait_tensor.default(v17)
+v19 = aten.permute(v15, [1, 0])
+v20 = forge.wgrad_update_(in2, v19, v18, [], [in6, v1], 'grad_scaled(sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False])')
+v23 = aten.mul(v22, 1.0)
+v24 = all_reduce.default(v23, 'sum', '<group>')
+v25 = wait_tensor.default(v24)
+v28 = aten.permute(v27, [1, 0])
+v29 = all_gather_into_tensor.default(v28, 1, '<group>')
+v30 = wait_tensor.default(v29)
+v31 = all_gather_into_tensor.default(in8, 1, '<group>')
+v32 = wait_tensor.default(v31)
+v33 = aten.permute(v30, [1, 0])
+v34 = forge.wgrad_update_(in0, v33, v32, [], [in4, v1], 'grad_scaled(sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False])')
+v37 = aten.mul(v36, 1.0)
+v38 = all_reduce.default(v37, 'sum', '<group>')
+v39 = wait_tensor.default(v38)
+v40 = forge.apply_rule_(in1, v39, [], [in5], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
+v41 = forge.apply_rule_(in3, v25, [], [in7], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')""")
 
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"

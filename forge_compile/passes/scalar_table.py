@@ -158,7 +158,8 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
         if scale is not None and computed == [hparams[-1]]:
             # clip_grad_norm_'s coefficient: written into the update's table row on the device
             sv = _meta(scale)
-            if sv is None or sv.dim() != 0 or sv.dtype != torch.float32 or sv.device.type != device:
+            if sv is None or sv.dim() != 0 or sv.dtype != torch.float32 or (
+                    sv.device.type != device and scale.target is not aten.full.default):
                 return f"a fused update's gradient scale is not a 0-dim fp32 {device} tensor"
             try:
                 grad_scale_column(rule)
@@ -237,6 +238,11 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
             if fake is not None:
                 sel.meta["val"] = table.meta["val"][row]
             if scale is not None:
+                if scale.target is aten.full.default and _meta(scale) is not None and fake is not None \
+                        and _meta(scale).device != fake.device:
+                    # a constant factor (data parallel's 1/world) made on the host for unreplayed launches
+                    scale = graph.call_function(aten.full.default, tuple(scale.args),
+                                                dict(scale.kwargs, device=fake.device))
                 sel = graph.call_function(aten.select_scatter.default, (sel, scale, 0, grad_scale_column(rule)))
                 if fake is not None:
                     sel.meta["val"] = table.meta["val"][row].clone()

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .._compat import OpOverload, op_overload_name, op_schema
+from .._compat import (C10D_ALL_GATHER, C10D_ALL_REDUCE, C10D_WAIT, OpOverload, group_size, op_overload_name,
+                       op_schema)
 from ..kernels import wgrad_norm as _wgrad_norm  # noqa: F401  (registers forge::wgrad_sqnorm, embedding_sqnorm, host_scalar)
 from ..optim.rule import get_rule, grad_scaled_rule
 
@@ -68,6 +69,9 @@ class _Match:
     # accumulation inside the step: every backward pass's (mm, transposed), in the sum's order; mm/transposed are the
     # last one's. The update then reads all passes' dY and X, concatenated over the token dimension
     passes: tuple = ()
+    # data parallel (DistributedDataParallel under compile_train_step): the gradient is the mean over the ranks of
+    # their local gradients, (group name, world size); the update then reads every rank's dY and X, all-gathered
+    dp: Optional[tuple] = None
 
     @property
     def pairs(self) -> tuple:
@@ -111,8 +115,8 @@ def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Option
     found = _walk(apply.args[1], apply, embeddings, True)
     if isinstance(found, str):
         return None, found
-    mm, chain, transposed, emb, scale_mul, norms, passes = found
-    return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms), tuple(passes)), ""
+    mm, chain, transposed, emb, scale_mul, norms, passes, dp = found
+    return _Match(apply, mm, chain, transposed, emb, scale_mul, tuple(norms), tuple(passes), dp), ""
 
 
 def _emb_reason(node: fx.Node, transposed: bool) -> Optional[str]:
@@ -170,14 +174,16 @@ def _is_grad_scale(node: fx.Node) -> bool:
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers,
-    accumulated passes' (mm, transposed) or ()), or the reason there is none. Besides the path, a node may be read
+    accumulated passes' (mm, transposed) or (), data-parallel mean (group name, world size) or None), or the reason
+    there is none. Besides the path, a node may be read
     by L2 norms (clip_grad_norm_, a logged gradient norm) when it holds the unscaled gradient; one multiplication by
     a 0-dim fp32 factor (clip_grad_norm_'s in-place ``mul_``) is taken into the update
     (``optim.rule.grad_scaled_rule``); a sum of matmuls' dW (accumulated passes, a weight used twice) becomes one
-    matmul over their concatenated operands (``_accumulation``)."""
+    matmul over their concatenated operands (``_accumulation``); a mean over data-parallel ranks (``_dp_mean``) becomes
+    one matmul over the ranks' gathered operands."""
     chain = []
     transposed = False
-    scale_mul, norms, scaled_norm = None, [], False
+    scale_mul, norms, scaled_norm, dp = None, [], False, None
     while True:
         if not isinstance(cur, fx.Node):
             return "gradient is not a graph value"
@@ -196,9 +202,19 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if scale_mul is not None and scaled_norm:
                 return "the norm of the scaled gradient is read (after clip_grad_norm_'s scaling)"
             if cur.target is aten.mm.default:
-                return cur, chain, transposed, None, scale_mul, norms, ()
+                return cur, chain, transposed, None, scale_mul, norms, (), dp
             why = _emb_reason(cur, transposed)
-            return why if why else (cur, chain, False, None, scale_mul, norms, ())
+            return why if why else (cur, chain, False, None, scale_mul, norms, (), dp)
+        if cur.target is C10D_WAIT:
+            mean = _dp_mean(cur)
+            if isinstance(mean, str):
+                return mean
+            if dp is not None:
+                return "gradient is all-reduced twice"
+            dp, path = mean
+            chain += path
+            consumer, cur = path[-1], path[-1].args[0]
+            continue
         if _is_grad_scale(cur):
             if scale_mul is not None:
                 return "gradient is scaled twice before the update"
@@ -208,9 +224,12 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             continue
         acc = _accumulation(cur, embeddings) if cur.target in (aten.add.Tensor, aten.add_.Tensor) else None
         if acc is not None:
-            parts, acc_chain = acc
+            parts, acc_chain, acc_dp = acc
+            if dp is not None and acc_dp is not None:
+                return "gradient is all-reduced twice"
             passes = tuple((m, transposed != t) for m, t in parts)
-            return passes[-1][0], chain + [cur] + acc_chain, passes[-1][1], None, scale_mul, norms, passes
+            return (passes[-1][0], chain + [cur] + acc_chain, passes[-1][1], None, scale_mul, norms, passes,
+                    dp or acc_dp)
         if cur.op == "call_function" and _in_place(cur.target) and cur.target not in _UPCASTS:
             if cur.target is aten.add_.Tensor and any(isinstance(a, fx.Node) and a.op == "placeholder"
                                                       for a in cur.args[:2]):
@@ -236,7 +255,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if isinstance(tied, str):
                 return tied
             mm, mm_chain, mm_t, emb, emb_chain = tied
-            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale_mul, norms, ()
+            return mm, chain + [cur] + mm_chain + emb_chain, transposed != mm_t, emb, scale_mul, norms, (), dp
         elif cur.op == "placeholder":
             return "gradient is a graph input"
         else:
@@ -252,7 +271,7 @@ def _tied_sum(add: fx.Node, allowed: bool, transposed: bool):
     if not allowed or len(add.args) != 2 or add.kwargs:
         return several
     sides = [_walk(a, add, True, False) for a in add.args]
-    if any(isinstance(x, str) or x[4] is not None or x[5] or x[6] for x in sides):
+    if any(isinstance(x, str) or x[4] is not None or x[5] or x[6] or x[7] for x in sides):
         return several
     by_kind = {("emb" if x[0].target is _EMB_BACKWARD else "mm"): x for x in sides}
     if set(by_kind) != {"mm", "emb"}:
@@ -272,20 +291,40 @@ def _accumulation(add: fx.Node, embeddings: bool):
     None."""
     if len(add.args) != 2 or add.kwargs or not all(isinstance(a, fx.Node) for a in add.args):
         return None
-    parts, chain = [], []
+    parts, chain, dps = [], [], set()
     for side in add.args:
         found = _walk(side, add, embeddings, False)
         if isinstance(found, str):
             return None
-        mm, side_chain, t, emb, scale_mul, norms, passes = found
+        mm, side_chain, t, emb, scale_mul, norms, passes, dp = found
         if emb is not None or scale_mul is not None or norms:
             return None
         parts += list(passes) if passes else [(mm, t)]
         chain += side_chain
+        dps.add(dp)
+    if len(dps) != 1:
+        return None     # some passes' contributions reduced over ranks, others not
     kinds = {m.target if m.target is aten.mm.default else (m.target, *m.args[2:]) for m, _ in parts}
     if len(kinds) != 1 or any(t for m, t in parts if m.target is _EMB_BACKWARD):
         return None    # a matmul's passes and an embedding's (a tied weight), or different embedding backwards
-    return parts, chain
+    return parts, chain, dps.pop()
+
+
+def _dp_mean(wait: fx.Node):
+    """``wait`` = ``wait_tensor(all_reduce(g * (1 / world), "sum", group))``: what compile_train_step traces for
+    DistributedDataParallel's reducer (``capture._ddp_in_graph``). ((group name, world size), [wait, all_reduce,
+    mul]) or the reason it is not that."""
+    ar = wait.args[0]
+    if not (isinstance(ar, fx.Node) and ar.target is C10D_ALL_REDUCE and ar.args[1] == "sum"
+            and len(ar.users) == 1):
+        return f"gradient is produced by {wait.target}, not by a matmul"
+    mul = ar.args[0]
+    name = ar.args[2]
+    world = group_size(name)
+    if not (isinstance(mul, fx.Node) and mul.target is aten.mul.Tensor and len(mul.users) == 1
+            and isinstance(mul.args[1], float) and mul.args[1] == 1.0 / world):
+        return "gradient is all-reduced, but not as the mean over the ranks"
+    return (name, world), [wait, ar, mul]
 
 
 def _aliases(node: fx.Node) -> set:
@@ -408,6 +447,10 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         why = _accumulation_unsupported(match, w)
         if why:
             return False, why, None
+    if match.dp is not None:
+        why = _dp_unsupported(match, w)
+        if why:
+            return False, why, None
     if match.scale_mul is not None:
         mul = match.scale_mul
         # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of
@@ -475,6 +518,29 @@ def _accumulation_unsupported(match: _Match, w) -> Optional[str]:
     return None
 
 
+def _dp_unsupported(match: _Match, w) -> Optional[str]:
+    """Why a data-parallel mean cannot feed one fused update, or None. The update reads every rank's dY and X,
+    all-gathered over tokens (dW_mean = [dY_1; ..; dY_R]^T [X_1; ..; X_R] / R; an embedding's: every rank's gradient
+    rows and indices, whose scattered sum is the sum of the ranks' dense gradients): the gathered copies are made for it,
+    so it fuses only where they are no larger than the fp32 dW (and its all-reduce) that fusing never allocates --
+    then it also moves fewer bytes between the ranks than the all-reduce does."""
+    from ..report import _fmt_bytes   # report imports this module
+
+    if match.emb is not None:
+        return ("data parallel: a tied embedding / output weight stays unfused (its gradient, matmul plus rows, is "
+                "all-reduced)")
+    world = match.dp[1]
+    metas = [(_meta(m.args[0]), _meta(m.args[1])) for m, _ in match.pairs]
+    if any(a is None or b is None for a, b in metas):
+        return "the matmul's operands have no shape"
+    gathered = world * sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in metas)
+    dw = w.numel() * 4
+    if gathered > dw:
+        return (f"data parallel over {world} ranks: their gathered {_operands_of(match)} ({_fmt_bytes(gathered)}) "
+                f"would outweigh the fp32 dW ({_fmt_bytes(dw)}) fusing saves; dW is all-reduced as DDP does")
+    return None
+
+
 def _operands_of(match: _Match) -> str:
     return "gradient rows and indices" if match.embedding else "dY and X"
 
@@ -534,26 +600,37 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         if match.passes:
             how = ", ".join([f"{_sum_of(match)}: their {_operands_of(match)} concatenated over tokens"]
                             + ([how] if how else []))
+        if match.dp is not None:
+            how = ", ".join([f"data parallel: the mean over {match.dp[1]} ranks, their dY and X all-gathered"]
+                            + ([how] if how else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
-    host_scales = {}
+    host_scales, dp_factors = {}, {}
     for match, anchor in rewrites:
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
         operands = None
+        last_mm = max((m for m, _ in match.pairs), key=lambda n: order[n])
         if match.passes:
             operands, last = _accumulated_operands(graph, match, order)
             # the fused op must follow the concatenation, which follows the last pass's matmul
-            anchor = last if order[anchor] <= max(order[m] for m, _ in match.passes) else anchor
+            anchor = last if order[anchor] <= order[last_mm] else anchor
+        if match.dp is not None:
+            early = anchor not in order or order[anchor] <= order[last_mm]
+            operands, last = _gathered_operands(graph, match, operands, last if match.passes else last_mm)
+            anchor = last if early else anchor
         for nn in match.norms:
             _replace_norm(graph, nn, match, operands)
-        if match.scale is not None:
-            if match.scale not in host_scales:
-                host_scales[match.scale] = _host_scale(graph, match.scale, hparams)
-            hs = host_scales[match.scale]
+        scale = match.scale
+        if match.dp is not None:
+            scale = _dp_factor(graph, scale, match.dp[1], dp_factors)
+        if scale is not None:
+            if scale not in host_scales:
+                host_scales[scale] = _host_scale(graph, scale, hparams)
+            hs = host_scales[scale]
             # the fused op goes after the host copy of the factor; that copy sits right after the factor
-            anchor = hs if anchor is match.scale else anchor
+            anchor = hs if anchor is match.scale or anchor is scale else anchor
             hparams, rule = list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name
             apply.args = (weight, apply.args[1], states, hparams, rule)
         if match.embedding:
@@ -629,8 +706,12 @@ def _replace_norm(graph: fx.Graph, norm: fx.Node, match: _Match, operands=None) 
                 kwargs = dict(dy_t=a, x=b)
             sq = graph.call_function(torch.ops.forge.embedding_sqnorm.default,
                                      (grad_output, indices, num_rows, padding_idx), kwargs)
-        root = graph.call_function(aten.sqrt.default, (sq,))
-    for n in (sq, root):
+        root = roots = graph.call_function(aten.sqrt.default, (sq,))
+        if match.dp is not None:
+            # the norm of the mean over the ranks: the gathered operands' product is the sum
+            root = graph.call_function(aten.mul.Tensor, (roots, 1.0 / match.dp[1]))
+            new.append(roots)
+    for n in {sq, roots, root}:
         if "val" in norm.meta:
             n.meta["val"] = norm.meta["val"]
     for n in new + [sq, root]:
@@ -680,6 +761,64 @@ def _accumulated_operands(graph: fx.Graph, match: _Match, order: dict) -> tuple:
     operands = (dy_rows if match.embedding else node(aten.permute.default, (dy_rows, [1, 0])), x)
     _fake_values(made[1:])
     return operands, made[-1]
+
+
+def _gathered_operands(graph: fx.Graph, match: _Match, operands, start: fx.Node) -> tuple:
+    """((dy_t, x), last node) for a data-parallel mean, right after ``start`` (where the local operands exist): every
+    rank's dY rows and X rows all-gathered over tokens, so that dy_t @ x is the sum over the ranks of their dW (an
+    embedding's: (gradient rows, indices), flat over tokens, gathered). ``operands``: the local operands of
+    accumulated passes, or None for the producer's own."""
+    made = [start]
+    name, world = match.dp
+
+    def node(target, args):   # each after the one before: graph order = creation order
+        with graph.inserting_after(made[-1]):
+            made.append(graph.call_function(target, args))
+        return made[-1]
+
+    def gather(t):
+        return node(C10D_WAIT, (node(C10D_ALL_GATHER, (t, world, name)),))
+    if match.embedding:
+        rows, indices = operands if operands is not None else match.mm.args[:2]
+        if operands is None:
+            rows = node(aten.view.default, (rows, [-1, _meta(rows).shape[-1]]))
+            indices = node(aten.view.default, (indices, [-1]))
+        out = (gather(rows), gather(indices))
+        _fake_values(made[1:])
+        return out, made[-1]
+    if operands is None:
+        a, b = match.mm.args[:2]
+        # transposed: mm = dW^T = x^T @ dy_t^T, so mm's operands are (x^T, dY rows)
+        rows, x = (b, node(aten.permute.default, (a, [1, 0]))) if match.transposed else \
+            (node(aten.permute.default, (a, [1, 0])), b)
+    else:
+        rows, x = node(aten.permute.default, (operands[0], [1, 0])), operands[1]
+    rows, x = gather(rows), gather(x)
+    dy_t = node(aten.permute.default, (rows, [1, 0]))
+    _fake_values(made[1:])
+    return (dy_t, x), made[-1]
+
+
+def _dp_factor(graph: fx.Graph, scale: Optional[fx.Node], world: int, made: dict) -> fx.Node:
+    """The factor a data-parallel update scales its gradient by: 1/world (a CPU constant, no device read per step),
+    times clip_grad_norm_'s coefficient ``scale`` if there is one (the coefficient of the mean's norm)."""
+    key = (scale, world)
+    if key in made:
+        return made[key]
+    if scale is None:
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            f = graph.call_function(aten.full.default, ([], 1.0 / world),
+                                    dict(dtype=torch.float32, device=torch.device("cpu")))
+        f.meta["val"] = torch.full([], 1.0 / world, dtype=torch.float32)
+    else:
+        with graph.inserting_after(scale):
+            f = graph.call_function(aten.mul.Tensor, (scale, 1.0 / world))
+        if _meta(scale) is not None:
+            f.meta["val"] = _meta(scale)
+    f.meta["forge"] = "wgrad_update"
+    made[key] = f
+    return f
 
 
 def _fake_values(made: list) -> None:
