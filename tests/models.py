@@ -1,4 +1,5 @@
 """Small models shared by the tests."""
+import contextlib
 import copy
 import math
 
@@ -231,3 +232,19 @@ def clip_step(model, opt, max_norm, loss_fn=F.mse_loss, foreach=None):
         opt.zero_grad()
         return loss, norm
     return step
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A gloo process group of this process alone (DDP needs one to be constructed), destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

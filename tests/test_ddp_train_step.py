@@ -237,3 +237,30 @@ def check(results, graphs=False):
 
 def test_ddp_step_matches_eager_ddp_and_fuses_with_gathered_operands(tmp_path):
     check(run_ranks(tmp_path))
+
+
+def test_ddp_communication_hooks_are_named_before_anything_changed():
+    # one gloo rank in this process: registering a hook needs a process group, not a second rank
+    import forge_compile as forge
+    from forge_compile import _compat
+    from models import one_rank_group
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with one_rank_group():
+        plain = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        assert _compat.ddp_unsupported(plain) is None
+        builtin = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        # a built-in hook lives in the C++ reducer only; DDP's logging data names it
+        builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        assert "FP16_COMPRESS" in _compat.ddp_unsupported(builtin)
+        python = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        python.register_comm_hook(None, default_hooks.allreduce_hook)
+        assert "register_comm_hook" in _compat.ddp_unsupported(python)
+        opt = torch.optim.SGD(builtin.parameters(), lr=0.1)
+        w0 = [p.detach().clone() for p in builtin.parameters()]
+
+        def step(x):
+            builtin(x).sum().backward(); opt.step(); opt.zero_grad()
+        with pytest.raises(forge.ForgeCaptureError, match="FP16_COMPRESS"):
+            forge.compile_train_step(step)(torch.randn(2, 4))
+        assert all(torch.equal(a, b) for a, b in zip(builtin.parameters(), w0))

@@ -8,7 +8,7 @@ from expecttest import TestCase
 
 import forge_compile as forge
 from forge_compile.graph_printer import format_graph
-from models import MLP, TinyLM
+from models import MLP, TinyLM, one_rank_group
 
 
 def _rewritten(step, *args, cuda_graphs=False, **options):
@@ -273,22 +273,13 @@ v56 = forge.apply_rule_(in3, v40, [], [in7], 'sgd[momentum=False,nesterov=False,
         # (x 1/world, all_reduce) as DDP's reducer makes it; a fused weight's update reads every rank's dY rows and
         # X all-gathered (dy_t = the gathered rows, permuted: a view) and scales dW by 1/world in its epilogue
         # (grad_scaled rule, a CPU constant as its last hyper-parameter); the biases keep the all_reduce
-        import socket
-
-        import torch.distributed as dist
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        try:
+        with one_rank_group():
             model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
             def step(x, y):
                 loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
             g, rep = _rewritten(step, torch.randn(1, 8), torch.randn(1, 4))
-        finally:
-            dist.destroy_process_group()
         self.assertIn("data parallel: the mean over 1 ranks", rep.row("model.module.fc1.weight").reason)
         keys = ("forge.", "all_gather", "all_reduce", "wait_tensor", "aten.full", "aten.mul(", "permute")
         # the group's name is the process's count of groups made so far: not part of what is checked
@@ -318,6 +309,25 @@ v38 = all_reduce.default(v37, 'sum', '<group>')
 v39 = wait_tensor.default(v38)
 v40 = forge.apply_rule_(in1, v39, [], [in5], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
 v41 = forge.apply_rule_(in3, v25, [], [in7], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')""")
+
+    def test_ddp_weights_reading_one_input_gather_it_once(self):
+        # q/k/v, gate/up: two weights reading one X gather it once (3 all-gathers: X, dY_a, dY_b, not 4)
+        class TwoHeads(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 4, bias=False)
+
+            def forward(self, x):
+                return self.a(x) * self.b(x)
+        with one_rank_group():
+            model = torch.nn.parallel.DistributedDataParallel(TwoHeads())
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(x):
+                loss = model(x).sum(); loss.backward(); opt.step(); opt.zero_grad(); return loss
+            g, rep = _rewritten(step, torch.randn(1, 2, 8))
+        self.assertEqual(len(rep.fused), 2)
+        self.assertEqual(sum("all_gather" in ln for ln in g.splitlines()), 3)
 
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"

@@ -601,7 +601,8 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             how = ", ".join([f"{_sum_of(match)}: their {_operands_of(match)} concatenated over tokens"]
                             + ([how] if how else []))
         if match.dp is not None:
-            how = ", ".join([f"data parallel: the mean over {match.dp[1]} ranks, their dY and X all-gathered"]
+            how = ", ".join([f"data parallel: the mean over {match.dp[1]} ranks, their {_operands_of(match)} "
+                             "all-gathered"]
                             + ([how] if how else []))
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
@@ -650,6 +651,8 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         for n in match.chain + [m for m, _ in match.pairs] + ([match.emb] if match.emb is not None else []):
             if not n.users:
                 graph.erase_node(n)
+    if dp_factors:
+        _share_gathers(graph)
     graph.lint()
     gm.recompile()
     return decisions
@@ -797,6 +800,34 @@ def _gathered_operands(graph: fx.Graph, match: _Match, operands, start: fx.Node)
     dy_t = node(aten.permute.default, (rows, [1, 0]))
     _fake_values(made[1:])
     return (dy_t, x), made[-1]
+
+
+def _share_gathers(graph: fx.Graph) -> None:
+    """One all-gather per gathered tensor: weights reading one X (q/k/v, gate/up) gathered it once each. The first in
+    graph order serves every later user (it comes before each of them); the gathered copy then lives until the last
+    of those updates."""
+    first = {}
+    for n in list(graph.nodes):
+        if n.target is not C10D_ALL_GATHER or n.meta.get("forge") != "wgrad_update":
+            continue
+        key = (_view_key(n.args[0]), *n.args[1:])
+        waits = [u for u in n.users if u.target is C10D_WAIT]
+        if len(waits) != 1 or len(n.users) != 1:
+            continue
+        if key not in first:
+            first[key] = waits[0]
+            continue
+        waits[0].replace_all_uses_with(first[key])
+        graph.erase_node(waits[0])
+        graph.erase_node(n)
+        counters["gathers_shared"] += 1
+
+
+def _view_key(node):
+    """``node`` as a key that is equal for equal views of one tensor (each linear reshapes its 3-D input itself)."""
+    if isinstance(node, fx.Node) and node.target in _VIEW_OPS | _IDENTITIES and node.args:
+        return (node.target, _view_key(node.args[0]), repr(node.args[1:]), repr(node.kwargs))
+    return node
 
 
 def _dp_factor(graph: fx.Graph, scale: Optional[fx.Node], world: int, made: dict) -> fx.Node:
