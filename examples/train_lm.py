@@ -430,8 +430,38 @@ def fusion_report(route, train_step, x, y):
     return None
 
 
-def train(args):
+def data_parallel(args):
+    """(rank, world size, device) under torchrun (WORLD_SIZE > 1): the process group is made here (NCCL on CUDA, a GPU
+    per rank; gloo on CPU), each rank trains on its own batches and DistributedDataParallel averages the gradients.
+    (0, 1, --device) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, torch.device(args.device)
+    import torch.distributed as dist
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
+def replica_spread(model) -> float:
+    """The largest difference of any parameter between the ranks (0.0: the replicas are equal)."""
+    import torch.distributed as dist
+    out = 0.0
+    for p in model.parameters():
+        every = [torch.empty_like(p) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, p.detach().contiguous())
+        out = max(out, max((e - every[0]).abs().max().item() for e in every))
+    return out
+
+
+def train(args):
+    rank, world, device = data_parallel(args)
+    if rank:
+        log.setLevel(logging.WARNING)
     torch.manual_seed(args.seed)
     use_bf16 = device.type == "cuda" and not args.fp32
     if device.type == "cuda":
@@ -444,7 +474,7 @@ def train(args):
     model = build_model(args).to(device)
     opt = make_optimizer(model, args)
     sched = make_scheduler(opt, args)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + rank)     # each rank its own batches
     start, losses, val_history = 0, [], []
 
     if args.resume:
@@ -460,18 +490,24 @@ def train(args):
         log.info("resumed from %s at step %d", args.resume, start)
 
     n_params = sum(p.numel() for p in model.parameters())
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = args.batch_size * args.seq_len * world
+    trained = model         # what the step calls: DDP's wrapper under torchrun (compile_train_step traces its
+    if world > 1:           # synchronisation into the step and fuses the averaged weight gradients too)
+        trained = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                      else None)
+        log.info("data parallel: %d ranks (%s), %d tokens per rank per step", world,
+                 torch.distributed.get_backend(), args.batch_size * args.seq_len)
     log.info("data: %s (%.2f MB train, %.2f MB val)", desc, len(train_data) / 1e6, len(val_data) / 1e6)
     log.info("model: %s %s, %.2fM parameters; route %s on %s, %s; %d steps x %d tokens",
              model_name(args), args.size, n_params / 1e6, args.route, device,
              "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
-    train_step = make_train_step(args.route, model, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
+    train_step = make_train_step(args.route, trained, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
                                  args.cast_weights_in_update, args.clip_grad_norm, args.grad_accum)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
-    progress = Progress(start, stop, enabled=not args.quiet)
+    progress = Progress(start, stop, enabled=not args.quiet and rank == 0)
     if args.route != "off":     # forge runs opt.step() inside the compiled step, which torch's check can't see
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
     timed_tokens, timed_s, untimed_s, step_times = 0, 0.0, 0.0, []
@@ -504,7 +540,8 @@ def train(args):
 
     val_loss = evaluate(model, val_data, args, autocast, device)
     val_history.append((stop, val_loss))
-    if args.save:
+    spread = replica_spread(model) if world > 1 else None
+    if args.save and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "step": stop, "steps": args.steps, "data_rng": gen.get_state(), "losses": losses,
@@ -512,6 +549,8 @@ def train(args):
         log.info("saved step %d to %s", stop, args.save)
 
     report = fusion_report(args.route, train_step, x, y) if x is not None else None
+    if world > 1:
+        torch.distributed.destroy_process_group()
     n_timed = len(step_times) - untimed
     return {
         "route": args.route, "device": str(device),
@@ -529,6 +568,7 @@ def train(args):
         "first_step_s": step_times[0] if step_times else None, "untimed_s": untimed_s,
         "train_s": untimed_s + timed_s, "wall_s": wall_s,
         "peak_memory_bytes": train_peak, "fusion_report": report,
+        "rank": rank, "world_size": world, "replica_spread": spread,
     }
 
 
@@ -545,6 +585,9 @@ def print_summary(r):
           f"the first, with compilation, {r['first_step_s'] or 0:.1f} s)")
     print(f"peak memory        {fmt_bytes(r['peak_memory_bytes'])} "
           f"({'max allocated' if r['device'].startswith('cuda') else 'max RSS of the process'})")
+    if r.get("world_size", 1) > 1:
+        print(f"data parallel      {r['world_size']} ranks (DistributedDataParallel), tokens/s over all of them; "
+              f"replicas {'equal' if r['replica_spread'] == 0 else 'DIFFER by %.3g' % r['replica_spread']}")
     if r.get("fusion_report"):
         print("\n" + r["fusion_report"])
 
@@ -708,6 +751,8 @@ def main(argv=None):
     if args.compare:
         return compare(args, argv)
     results = train(args)
+    if results["rank"]:     # under torchrun rank 0 reports
+        return results
     if args.results_json:
         with open(args.results_json, "w") as f:
             json.dump(results, f, indent=1)

@@ -93,6 +93,31 @@ def test_grad_accum_step_matches_off():
         run("--route", "step", "--steps", "1", "--grad-accum", "3")    # does not divide the batch of 2
 
 
+def _torchrun(tmp_path, route, *extra):
+    """The example under torchrun, 2 CPU ranks over gloo: rank 0's results."""
+    import subprocess
+    out = tmp_path / f"{route}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(EXAMPLES, "train_lm.py"), *TINY, "--route", route, "--results-json", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_data_parallel_under_torchrun_step_matches_off(tmp_path):
+    # torchrun: DistributedDataParallel, each rank its own batches; route step traces DDP's averaging into the step
+    # and fuses the weights whose gathered dY and X (2 ranks x 32 tokens, fp32) fit their dW, and trains as route off
+    # (torch.compile of the DDP model, DDP's own all-reduce); replicas stay equal
+    short = ["--batch-size", "1", "--steps", "3"]
+    step = _torchrun(tmp_path, "step", *short)
+    off = _torchrun(tmp_path, "off", *short)
+    assert step["world_size"] == off["world_size"] == 2
+    assert step["replica_spread"] == off["replica_spread"] == 0.0
+    assert step["tokens_per_step"] == 2 * 32
+    torch.testing.assert_close(torch.tensor(step["losses"]), torch.tensor(off["losses"]), rtol=1e-4, atol=1e-5)
+    assert step["fusion_report"].count("data parallel: the mean over 2 ranks") >= 6, step["fusion_report"]
+
+
 @pytest.mark.skipif(not HAS_BACKEND, reason="forge_compile.backend (the Dynamo route) does not exist yet")
 def test_route_backend(step_run_4):
     r = run("--route", "backend", "--steps", "4")
