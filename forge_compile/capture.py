@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _compat
+from . import _compat, data_parallel
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .optim.rule import decompose_apply_rule, grad_scaled_rule
@@ -332,6 +332,8 @@ class CompiledTrainStep:
         self._reads = WeakIdKeyDictionary()     # optimizer -> _OptimizerReads
         self._checked_modules = None     # ids of the modules last found free of data-parallel wrappers / GradScaler
         self._ddps: list = []            # the DistributedDataParallel wrappers the step uses (found with the above)
+        self._agreement = data_parallel.ShapeAgreement()
+        self._dp_gather = True           # this call's graph may all-gather across ranks (their shapes agree)
         self.compile_count = 0
         self.last_report: FusionReport | None = None
 
@@ -437,7 +439,7 @@ class CompiledTrainStep:
             a2, k2 = pytree.tree_unflatten(l2, in_spec)
             with contextlib.ExitStack() as stack:
                 for ddp in ddps:     # first: it reads the real parameters, which the next lines swap out
-                    stack.enter_context(_ddp_in_graph(ddp, traced))
+                    stack.enter_context(data_parallel.ddp_in_graph(ddp, traced))
                 for mname, mod in mod_items:
                     sub = {}
                     for n, p in mod.named_parameters(remove_duplicate=False):
@@ -488,7 +490,7 @@ class CompiledTrainStep:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         names = {n: pnames[i] for i, n in enumerate(placeholders[:len(params)])}
         captured_code = format_graph(gm)
-        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse,
+        decisions = rewrite_wgrad_updates(gm, names, fuse=self._fuse, dp_gather=self._dp_gather,
                                           after_copies=self._recompute_weight_copies or self._cast_weights,
                                           embeddings=True)
         report = FusionReport(decisions, graph="train_step")
@@ -579,8 +581,11 @@ class CompiledTrainStep:
             step_modules = [*modules.values(), *(o for o in named if isinstance(o, nn.Module))]
             wrapper = _compat.data_parallel_wrapper(step_modules, walk.params, allow_ddp=True)
             ddps = _compat.ddp_wrappers(step_modules)
-            if wrapper is None:
-                _check_ddps(ddps)
+            if wrapper is None and (why := data_parallel.unsupported(ddps)):
+                raise ForgeCaptureError(
+                    "forge: compile_train_step cannot reproduce this DistributedDataParallel's gradient "
+                    f"synchronisation: {why}. Nothing was changed. Remove it, or use plain torch.compile for this "
+                    "model.")
             if any(isinstance(o, torch.amp.GradScaler) for o in named):
                 # its unscale_ reads the real parameters' .grad, which the traced step never sets: the trace failed
                 # with "No inf checks were recorded for this optimizer"
@@ -631,7 +636,7 @@ class CompiledTrainStep:
             torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
             torch.is_grad_enabled(), self._fuse,
-            tuple([_compat.ddp_synced(d) for d in self._ddps]),
+            tuple([_compat.ddp_synced(d) for d in self._ddps]), self._dp_gather,
         )
 
     # what each component of ``_key`` is, for the recompilation warning
@@ -640,7 +645,7 @@ class CompiledTrainStep:
                   "the parameter objects", "the parameters' layouts", "the buffers' layouts",
                   "the optimizers' structure", "the optimizer states' layouts", "train/eval mode",
                   "CUDA autocast", "CUDA autocast dtype", "CPU autocast", "CPU autocast dtype", "grad mode", "fuse",
-                  "DistributedDataParallel's no_sync()")
+                  "DistributedDataParallel's no_sync()", "the ranks' argument shapes agreeing (data parallel)")
 
     def _recompile_reason(self, key) -> str:
         last = next(reversed(self._cache), None)
@@ -670,6 +675,10 @@ class CompiledTrainStep:
     def __call__(self, *args, **kwargs):
         modules, optimizers, walk, opt_plans, skeys = self._prepare()
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        synced = [d for d in self._ddps if _compat.ddp_synced(d)]
+        # every rank's graph must issue the same collectives: all-gathers only where all ranks' shapes agree
+        self._dp_gather = not (synced and self._fuse) or self._agreement(
+            synced, [l for l in leaves if isinstance(l, torch.Tensor)])
         states, hparams = self._state_and_hparams(opt_plans)
         grads_in = tuple([i for i, p in enumerate(walk.params) if p.grad is not None])
         key = self._key(walk, skeys, states, leaves, spec, grads_in)
@@ -844,66 +853,6 @@ def _clone_notes():
         log.warning("forge: Inductor could not update %d bytes in place (a tensor was cloned)", missed)
         return [f"Inductor cloned {missed} bytes it could not update in place"]
     return []
-
-
-def _check_ddps(ddps) -> None:
-    """Raise before anything changed where a DistributedDataParallel's synchronisation cannot be reproduced in the
-    step's graph."""
-    for ddp in ddps:
-        why = _compat.ddp_unsupported(ddp)
-        if why:
-            raise ForgeCaptureError(
-                f"forge: compile_train_step cannot reproduce this DistributedDataParallel's gradient synchronisation: "
-                f"{why}. Nothing was changed. Remove it, or use plain torch.compile for this model.")
-
-
-@contextlib.contextmanager
-def _ddp_in_graph(ddp, traced: dict):
-    """While the step is traced: ``ddp``'s forward is its module's (its reducer, which works in autograd hooks a
-    compiled step never calls, stays out) and what the reducer and the forward would do is traced into the graph:
-    each gradient DDP synchronises is multiplied by 1/world and summed over the ranks (``all_reduce``), as DDP's
-    reducer does per backward -- on each backward's contribution, through a hook on the traced parameter, so that
-    accumulation over passes sums reduced contributions (DDP reduces the accumulated gradient again; the same sum
-    up to rounding, as the pattern pass can fuse it); a gradient that enters the step already set is reduced
-    whole after each accumulation, as DDP does -- and the buffers are broadcast from
-    rank 0 before the forward (``broadcast_buffers``). Inside ``no_sync()`` nothing is added (part of the cache
-    key). The pattern pass turns a reduced matmul gradient into a fused update over the ranks' gathered dY and X."""
-    if not _compat.ddp_synced(ddp):
-        yield
-        return
-    _, gname, world = _compat.ddp_group(ddp)
-    ignored = _compat.ddp_ignored(ddp)
-    inner = ddp.module
-    params = [traced[id(p)] for n, p in inner.named_parameters() if p.requires_grad and n not in ignored]
-    buffers = ([traced[id(b)] for n, b in inner.named_buffers() if n not in ignored and id(b) in traced]
-               if ddp.broadcast_buffers else [])
-    inv = 1.0 / world
-
-    def reduce(g):
-        # DDP's reducer: grad * (1 / world) copied into the bucket, then the bucket summed over the ranks
-        return _compat.all_reduce_sum(g * inv, gname)
-
-    def forward(*args, **kwargs):
-        if buffers and torch.is_grad_enabled():
-            with torch.no_grad():
-                for b in buffers:
-                    b.copy_(_compat.broadcast_from(b, 0, gname))
-        return inner(*args, **kwargs)
-
-    def reduce_accumulated(t):
-        t.grad = reduce(t.grad)
-
-    # a gradient that enters the step (accumulated over calls under no_sync()) is reduced with the first
-    # contribution, as DDP reduces the accumulated .grad: after each accumulation (unfused: the sum needs dW)
-    handles = [t.register_post_accumulate_grad_hook(reduce_accumulated) if t.grad is not None
-               else t.register_hook(reduce) for t in params]
-    ddp.forward = forward
-    try:
-        yield
-    finally:
-        del ddp.forward
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager

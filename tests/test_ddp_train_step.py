@@ -131,6 +131,9 @@ def scenarios(rank, device, cuda_graphs=False):
     run("lm_adamw_clip_accum", TinyLM(vocab, 32), adamw, lm_batches, clip=0.5, **graphs)
     # a tied embedding / output weight: all-reduced, unfused
     run("lm_tied", TinyLM(vocab, 32, tied=True), sgd, lambda i: tuple(x[:1] for x in lm_batches(i)))
+    # uneven batches (rank 1 one token more): the ranks' graphs must issue the same collectives, so the call whose
+    # shapes differ all-reduces (unfused) on both ranks -- gathers of unequal sizes would hang or read garbage
+    run("mlp_uneven", MLP(16, 64, 32), sgd, lambda i: ([rnd(3 + rank, 16)], [rnd(3 + rank, 32)]))
     # BatchNorm's running statistics: rank 0's broadcast before each forward
     run("bn_buffers", BNMLP(), sgd, lambda i: ([rnd(4, 16)], [rnd(4, 8)]))
 
@@ -218,6 +221,9 @@ def check(results, graphs=False):
         # Adam divides by sqrt(v): where a gradient element nearly cancels, the summation order moves the update by
         # up to ~1e-5 (the compiled step without fusion differs from eager as much; test_grad_accumulation.py)
         assert max(r["diff"].values()) <= 5e-5, r
+        r = res["mlp_uneven"]
+        assert r["spread"] == 0.0 and max(r["diff"].values()) <= 1e-6, r
+        assert not r["fused"] and "different argument shapes" in r["unfused"]["model.module.fc1.weight"], r
         r = res["lm_tied"]
         assert "tied" in r["unfused"]["model.module.emb.weight"] and max(r["diff"].values()) <= 1e-6, r
         r = res["bn_buffers"]

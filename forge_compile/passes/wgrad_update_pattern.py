@@ -553,9 +553,11 @@ def _sum_of(match: _Match) -> str:
 
 
 def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True, after_copies: bool = False,
-                          embeddings: bool = False) -> list:
+                          embeddings: bool = False, dp_gather: bool = True) -> list:
     """Rewrite the graph in place. ``names`` maps placeholder nodes to parameter names; ``after_copies``: see
-    ``should_fuse_wgrad_update``; ``embeddings``: embedding weights too (``forge::embedding_update_``).
+    ``should_fuse_wgrad_update``; ``embeddings``: embedding weights too (``forge::embedding_update_``);
+    ``dp_gather=False``: a data-parallel mean is never fused (the ranks' shapes differ at this call, so all-gathers
+    of their dY and X cannot be issued alike on every rank).
 
     Returns one FusionDecision per ``apply_rule_`` node (i.e. per updated parameter).
     """
@@ -578,6 +580,9 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             decisions.append(FusionDecision(name, shape, rule, False, "not a matrix (normal path)"))
             continue
         match, reason = match_wgrad_update(node, embeddings)
+        if match is not None and match.dp is not None and not dp_gather:
+            match, reason = None, ("data parallel: the ranks were called with different argument shapes, so their dY "
+                                   "and X cannot be all-gathered alike; dW is all-reduced as DDP does")
         anchor = None
         if match is not None:
             ok, reason, anchor = should_fuse_wgrad_update(match, order, after_copies)
