@@ -567,8 +567,9 @@ class CompiledTrainStep:
         report.notes.append(f"cuda_graphs: replayed as one CUDA graph; {len(table_plans)} updates read their "
                             "step-dependent scalars from a device table written before each replay")
         if scaled_rows:
-            report.notes.append(f"cuda_graphs: {len(scaled_rows)} fused updates read clip_grad_norm_'s coefficient "
-                                "from their table row, written there on the device by the step")
+            report.notes.append(f"cuda_graphs: {len(scaled_rows)} fused updates read their gradient factor "
+                                "(clip_grad_norm_'s coefficient, data parallel's 1/world) from their table row, "
+                                "written there on the device by the step")
         return table_plans, width, frozenset(scaled_rows)
 
     def _prepare(self):

@@ -310,6 +310,39 @@ v39 = wait_tensor.default(v38)
 v40 = forge.apply_rule_(in1, v39, [], [in5], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
 v41 = forge.apply_rule_(in3, v25, [], [in7], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')""")
 
+    def test_mlp_ddp_scalar_table(self):
+        # cuda_graphs under DDP: a fused update's 1/world factor goes into grad_scale's column of its table row (the
+        # step writes it there, as clip_grad_norm_'s coefficient), so the replayed graph reads no host value
+        from forge_compile import step_graph as sg
+
+        with one_rank_group():
+            model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step(x, y):
+                loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+            sg.GRAPH_DEVICE[0] = "cpu"
+            try:
+                g, rep = _rewritten(step, torch.randn(1, 8), torch.randn(1, 4), cuda_graphs=True)
+            finally:
+                sg.GRAPH_DEVICE[0] = "cuda"
+        notes = " ".join(rep.notes)
+        self.assertIn("replayed as one CUDA graph; 4 updates", notes)
+        self.assertIn("2 fused updates read their gradient factor", notes)
+        rows = "\n".join(ln for ln in g.splitlines() if "forge." in ln or "aten.select" in ln or "aten.full" in ln)
+        self.assertExpectedInline(rows, """\
+v0 = aten.full([], 1.0, dtype=torch.float32)
+v19 = aten.select(in38, 0, 0)
+v20 = aten.select_scatter(v19, v0, 0, 0)
+v21 = forge.wgrad_update_table_(in2, v18, v17, [in11, in12], v20, 'grad_scaled(adamw[amsgrad=False,maximize=False,weight_decay=True])')
+v35 = aten.select(in38, 0, 1)
+v36 = aten.select_scatter(v35, v0, 0, 0)
+v37 = forge.wgrad_update_table_(in0, v34, v33, [in5, in6], v36, 'grad_scaled(adamw[amsgrad=False,maximize=False,weight_decay=True])')
+v43 = aten.select(in38, 0, 2)
+v44 = forge.rule_update_(in1, v42, [in8, in9], v43, 'adamw[amsgrad=False,maximize=False,weight_decay=True]')
+v45 = aten.select(in38, 0, 3)
+v46 = forge.rule_update_(in3, v26, [in14, in15], v45, 'adamw[amsgrad=False,maximize=False,weight_decay=True]')""")
+
     def test_ddp_weights_reading_one_input_gather_it_once(self):
         # q/k/v, gate/up: two weights reading one X gather it once (3 all-gathers: X, dY_a, dY_b, not 4)
         class TwoHeads(torch.nn.Module):
