@@ -42,16 +42,13 @@ def free_port() -> int:
 
 
 def worker(rank, world, port, cfg, route, out_path):
-    backend = "gloo"
     if cfg["device"] == "cuda":
-        n = torch.cuda.device_count()
-        device = torch.device("cuda", rank % n)
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        # fewer GPUs than ranks (--world): they share over gloo -- a functional run, its timings mean nothing
-        backend = "nccl" if n >= world else "gloo"
     else:    # a smoke run of the script itself: gloo, tiny shapes
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
         res = run_route(rank, world, device, cfg, route)
     finally:
@@ -148,9 +145,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run over gloo")
     args = ap.parse_args(argv)
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    if world < 2:
-        sys.exit("bench_ddp_train_step: needs 2 or more GPUs (or --world 2: ranks sharing a GPU over gloo, a "
-                 "functional run whose timings mean nothing)")
+    if args.device == "cuda" and world > torch.cuda.device_count():
+        sys.exit(f"bench_ddp_train_step: --world {world} needs as many GPUs (a GPU per rank)")
     cfg = dict(device=args.device, d_model=args.d_model, layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab,
                seq_len=args.seq_len, mb=args.mb, lr=args.lr, check_steps=args.check_steps, warmup=args.warmup,
                iters=args.iters)
@@ -166,8 +162,8 @@ def main(argv=None):
     base = results.get("baseline")
     tokens = world * args.mb * args.seq_len
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
-    if args.device == "cuda" and torch.cuda.device_count() < world:
-        gpu += f" ({world} ranks sharing {torch.cuda.device_count()} GPU(s) over gloo: timings not meaningful)"
+    if world == 1:
+        gpu += " (one rank: no communication; what the DDP machinery costs on one GPU)"
     head = (f"bench_ddp_train_step {datetime.date.today()} {gpu} x{world}, torch "
             f"{torch.__version__}, d_model {args.d_model}, {args.layers} layers, {tokens} tokens per step "
             f"({args.mb} x {args.seq_len} per rank), bf16 autocast, AdamW")

@@ -173,18 +173,15 @@ def scenarios(rank, device, cuda_graphs=False):
 
 
 def worker(rank, world, port, out_dir, device_type, cuda_graphs=False):
-    backend = "gloo"
     if device_type == "cuda":
-        # a GPU per rank over NCCL; with fewer GPUs than ranks they share them over gloo (which copies CUDA tensors
-        # through the host: the fused CUDA kernels are checked, NCCL and graph capture are not)
-        n = torch.cuda.device_count()
-        backend = "nccl" if n >= world else "gloo"
-        torch.cuda.set_device(rank % n)
-        device = torch.device("cuda", rank % n)
+        # a GPU per rank over NCCL (two ranks sharing one GPU over gloo crashed with SIGSEGV on an H100, torch 2.11)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
         torch.backends.cuda.matmul.allow_tf32 = False     # IEEE fp32 on both sides: the comparison is tight
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
         res = scenarios(rank, device, cuda_graphs)
     finally:
@@ -199,6 +196,9 @@ def run_ranks(tmp_path, device_type="cpu", world=2, cuda_graphs=False) -> list:
 
 
 def check(results, graphs=False):
+    """``results``: each rank's. One rank (a single GPU over NCCL): the same graphs and kernels, collectives of one;
+    the scenarios that need ranks to differ are not judged."""
+    world = len(results)
     for res in results:
         for name in ("mlp_sgd", "mlp_sgd_large", "lm_adamw_clip_accum", "lm_tied", "bn_buffers"):
             r = res[name]
@@ -206,12 +206,12 @@ def check(results, graphs=False):
             assert r["spread"] == 0.0, (name, r)
         r = res["mlp_sgd"]
         assert set(r["fused"]) == {"model.module.fc1.weight", "model.module.fc2.weight"}, r
-        assert all("data parallel: the mean over 2 ranks" in why for why in r["fused"].values()), r
+        assert all(f"data parallel: the mean over {world} ranks" in why for why in r["fused"].values()), r
         # eager DDP sums the ranks' dW in fp32, the fused GEMM sums all tokens at once: summation order only
         assert max(r["diff"].values()) <= 1e-6, r
         r = res["mlp_sgd_large"]
         assert not r["fused"], r
-        assert "data parallel over 2 ranks" in r["unfused"]["model.module.fc1.weight"], r
+        assert f"data parallel over {world} ranks" in r["unfused"]["model.module.fc1.weight"], r
         assert max(r["diff"].values()) <= 1e-6, r
         r = res["lm_adamw_clip_accum"]
         assert "model.module.emb.weight" in r["fused"], r
@@ -223,7 +223,8 @@ def check(results, graphs=False):
         assert max(r["diff"].values()) <= 5e-5, r
         r = res["mlp_uneven"]
         assert r["spread"] == 0.0 and max(r["diff"].values()) <= 1e-6, r
-        assert not r["fused"] and "different argument shapes" in r["unfused"]["model.module.fc1.weight"], r
+        if world > 1:
+            assert not r["fused"] and "different argument shapes" in r["unfused"]["model.module.fc1.weight"], r
         r = res["lm_tied"]
         assert "tied" in r["unfused"]["model.module.emb.weight"] and max(r["diff"].values()) <= 1e-6, r
         r = res["bn_buffers"]

@@ -1,6 +1,7 @@
-"""compile_train_step under DistributedDataParallel on CUDA: the scenarios of test_ddp_train_step.py (IEEE fp32,
-against eager DDP in the same processes) -- on 2 GPUs over NCCL, also replayed as CUDA graphs (the collectives
-captured with the step); on one GPU, two ranks share it over gloo (the fused CUDA kernels on gathered operands)."""
+"""compile_train_step under DistributedDataParallel on CUDA over NCCL: the scenarios of test_ddp_train_step.py (IEEE
+fp32, against eager DDP in the same processes), plain and replayed as CUDA graphs (the collectives captured with the
+step) -- on 2 GPUs; on one, a single rank: the same graphs, kernels on gathered operands and NCCL collectives (of one
+rank), the semantics across ranks being checked on CPU."""
 import pytest
 import torch
 
@@ -15,7 +16,6 @@ def test_cuda_ddp_step_matches_eager_ddp(tmp_path, graphs):
     check(run_ranks(tmp_path, "cuda", cuda_graphs=graphs), graphs=graphs)
 
 
-def test_cuda_ddp_step_two_ranks_on_one_gpu_over_gloo(tmp_path):
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("2 GPUs: the NCCL test above covers it")
-    check(run_ranks(tmp_path, "cuda"))
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "cuda_graphs"])
+def test_cuda_ddp_step_one_rank_over_nccl(tmp_path, graphs):
+    check(run_ranks(tmp_path, "cuda", world=1, cuda_graphs=graphs), graphs=graphs)
