@@ -226,7 +226,9 @@ def check(results, graphs=False):
         if world > 1:
             assert not r["fused"] and "different argument shapes" in r["unfused"]["model.module.fc1.weight"], r
         r = res["lm_tied"]
-        assert "tied" in r["unfused"]["model.module.emb.weight"] and max(r["diff"].values()) <= 1e-6, r
+        # on CUDA Inductor's kernels (attention softmax, LayerNorm, the loss) sum in another order than eager's: every
+        # parameter, fused or not, ended up to 1.8e-6 from eager DDP (H100, one rank, 3 SGD-momentum steps)
+        assert "tied" in r["unfused"]["model.module.emb.weight"] and max(r["diff"].values()) <= 1e-5, r
         r = res["bn_buffers"]
         assert max(r["buffers"].values()) <= 1e-6 and max(r["diff"].values()) <= 1e-6, r
         r = res["no_sync"]
