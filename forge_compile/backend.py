@@ -985,7 +985,8 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
             # the wrapper's hooks all-reduce (reduce-scatter) each gradient after backward computes it; a fused
             # update inside the backward would apply this rank's local gradient: unfused, training is DDP's own
             decline = (f"nothing fused: the model runs under {wrapper}, whose gradient synchronisation across "
-                       "ranks a fused update would bypass (data parallelism is not supported by fusion)")
+                       "ranks a fused update would bypass (the Dynamo route does not fuse under data parallelism; "
+                       "forge.compile_train_step traces DistributedDataParallel's synchronisation and fuses)")
     comp = _Compilation(gm, example_inputs, optimizer, bool(opts.get("fuse", True)),
                         opts.get("dump_dir"), inductor_opts, bool(table), decline=decline)
     return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
