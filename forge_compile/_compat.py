@@ -265,9 +265,8 @@ def ddp_unsupported(ddp) -> str | None:
 
 
 def ddp_group(ddp):
-    """(process group, its name in functional collectives, world size) of a DistributedDataParallel."""
-    pg = ddp.process_group
-    return pg, pg.group_name, pg.size()
+    """(the name functional collectives know its process group by, world size) of a DistributedDataParallel."""
+    return ddp.process_group.group_name, ddp.process_group.size()
 
 
 def ddp_synced(ddp) -> bool:
@@ -278,11 +277,6 @@ def ddp_synced(ddp) -> bool:
 def ddp_ignored(ddp) -> set:
     """Fully qualified names (relative to ``ddp.module``) of parameters and buffers DDP leaves alone."""
     return set(getattr(ddp, "parameters_to_ignore", ()) or ())
-
-
-def ddp_syncs_buffers(ddp) -> bool:
-    """Whether DDP broadcasts the module's buffers from rank 0 before each forward."""
-    return bool(ddp.will_sync_module_buffers())
 
 
 # functional collectives (torch.ops._c10d_functional: traced by make_fx, lowered by Inductor)

@@ -44,7 +44,7 @@ def ddp_in_graph(ddp, traced: dict):
     if not _compat.ddp_synced(ddp):
         yield
         return
-    _, gname, world = _compat.ddp_group(ddp)
+    gname, world = _compat.ddp_group(ddp)
     ignored = _compat.ddp_ignored(ddp)
     inner = ddp.module
     params = [traced[id(p)] for n, p in inner.named_parameters() if p.requires_grad and n not in ignored]

@@ -234,16 +234,20 @@ def clip_step(model, opt, max_norm, loss_fn=F.mse_loss, foreach=None):
     return step
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @contextlib.contextmanager
 def one_rank_group():
     """A gloo process group of this process alone (DDP needs one to be constructed), destroyed after."""
-    import socket
-
     import torch.distributed as dist
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -7,7 +7,6 @@ the details; here: it trains as eager DDP also when the step is given the inner 
 over gloo."""
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -19,19 +18,15 @@ import torch.nn as nn
 import forge_compile as forge
 import forge_compile.backend as fb
 from forge_compile import _compat
+from models import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, out_dir):
     sys.path.insert(0, os.path.dirname(__file__))
     from models import MLP
+    from test_ddp_train_step import spread
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     res = {}
     torch.manual_seed(rank + 1)
@@ -76,13 +71,6 @@ def _worker(rank, port, out_dir):
     ref_later, got_later = run("eager_wrapped_later"), run("backend_wrapped_later")
     steps = {route: run(route) for route in ("step", "step_models")}
 
-    def spread(params):
-        out = 0.0
-        for p in params:
-            both = [torch.empty_like(p) for _ in range(2)]
-            dist.all_gather(both, p)
-            out = max(out, (both[0] - both[1]).abs().max().item())
-        return out
     res["backend_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got, ref))
     res["backend_replica_spread"] = spread(got)
     res["later_vs_eager"] = max((a - b).abs().max().item() for a, b in zip(got_later, ref_later))
@@ -116,7 +104,7 @@ def _worker(rank, port, out_dir):
 
 
 def test_data_parallel_is_synchronised_by_the_step_and_left_unfused_by_the_backend(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for route in ("step", "step_models"):

@@ -7,8 +7,6 @@ over NCCL (tests/test_gpu_ddp_train_step.py)."""
 import copy
 import json
 import os
-import socket
-import sys
 
 import pytest
 import torch
@@ -17,13 +15,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import MLP, TinyLM, free_port
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BNMLP(nn.Module):
@@ -85,8 +79,6 @@ def ddp_pair(base, device, make_opt, clip=None, autocast=None, **options):
 def scenarios(rank, device, cuda_graphs=False):
     """Each scenario's results on this rank (JSON-able)."""
     import forge_compile as forge
-    sys.path.insert(0, os.path.dirname(__file__))
-    from models import MLP, TinyLM
 
     res = {}
     gen = torch.Generator().manual_seed(100 + rank)     # each rank its own batches

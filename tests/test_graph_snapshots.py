@@ -38,6 +38,30 @@ def _mlp_step(opt_factory):
     return step, (torch.randn(2, 4), torch.randn(2, 3))
 
 
+def _ddp_mlp_rewritten(opt_factory, cuda_graphs=False):
+    """``_rewritten`` of an MLP step under DistributedDataParallel over one gloo rank in this process (1 token: the
+    gathered operands fit the rule); with ``cuda_graphs`` judged for a CPU "graph device"."""
+    with one_rank_group():
+        model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
+        opt = opt_factory(model.parameters())
+
+        def step(x, y):
+            loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        return _rewritten_on_cpu_graphs(step, torch.randn(1, 8), torch.randn(1, 4)) if cuda_graphs else \
+            _rewritten(step, torch.randn(1, 8), torch.randn(1, 4))
+
+
+def _rewritten_on_cpu_graphs(step, *args):
+    """``_rewritten`` with cuda_graphs, the replay judged for a CPU "graph device"."""
+    from forge_compile import step_graph as sg
+
+    sg.GRAPH_DEVICE[0] = "cpu"
+    try:
+        return _rewritten(step, *args, cuda_graphs=True)
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
+
+
 def _fused_lines(g):
     return "\n".join(l for l in g.splitlines() if "forge." in l or l.startswith("return"))
 
@@ -273,13 +297,7 @@ v56 = forge.apply_rule_(in3, v40, [], [in7], 'sgd[momentum=False,nesterov=False,
         # (x 1/world, all_reduce) as DDP's reducer makes it; a fused weight's update reads every rank's dY rows and
         # X all-gathered (dy_t = the gathered rows, permuted: a view) and scales dW by 1/world in its epilogue
         # (grad_scaled rule, a CPU constant as its last hyper-parameter); the biases keep the all_reduce
-        with one_rank_group():
-            model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-            def step(x, y):
-                loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
-            g, rep = _rewritten(step, torch.randn(1, 8), torch.randn(1, 4))
+        g, rep = _ddp_mlp_rewritten(lambda p: torch.optim.SGD(p, lr=0.1))
         self.assertIn("data parallel: the mean over 1 ranks", rep.row("model.module.fc1.weight").reason)
         keys = ("forge.", "all_gather", "all_reduce", "wait_tensor", "aten.full", "aten.mul(", "permute")
         # the group's name is the process's count of groups made so far: not part of what is checked
@@ -313,19 +331,7 @@ v41 = forge.apply_rule_(in3, v25, [], [in7], 'sgd[momentum=False,nesterov=False,
     def test_mlp_ddp_scalar_table(self):
         # cuda_graphs under DDP: a fused update's 1/world factor goes into grad_scale's column of its table row (the
         # step writes it there, as clip_grad_norm_'s coefficient), so the replayed graph reads no host value
-        from forge_compile import step_graph as sg
-
-        with one_rank_group():
-            model = torch.nn.parallel.DistributedDataParallel(MLP(8, 16, 4))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def step(x, y):
-                loss = F.mse_loss(model(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
-            sg.GRAPH_DEVICE[0] = "cpu"
-            try:
-                g, rep = _rewritten(step, torch.randn(1, 8), torch.randn(1, 4), cuda_graphs=True)
-            finally:
-                sg.GRAPH_DEVICE[0] = "cuda"
+        g, rep = _ddp_mlp_rewritten(lambda p: torch.optim.AdamW(p, lr=1e-3), cuda_graphs=True)
         notes = " ".join(rep.notes)
         self.assertIn("replayed as one CUDA graph; 4 updates", notes)
         self.assertIn("2 fused updates read their gradient factor", notes)
@@ -364,14 +370,8 @@ v46 = forge.rule_update_(in3, v26, [in14, in15], v45, 'adamw[amsgrad=False,maxim
 
     def test_mlp_adamw_scalar_table(self):
         # cuda_graphs: every update reads row r of the table (last input); judged here for a CPU "graph device"
-        from forge_compile import step_graph as sg
-
         step, args = _mlp_step(lambda p: torch.optim.AdamW(p, lr=1e-3))
-        sg.GRAPH_DEVICE[0] = "cpu"
-        try:
-            g, rep = _rewritten(step, *args, cuda_graphs=True)
-        finally:
-            sg.GRAPH_DEVICE[0] = "cuda"
+        g, rep = _rewritten_on_cpu_graphs(step, *args)
         self.assertIn("replayed as one CUDA graph; 4 updates", " ".join(rep.notes))
         rows = "\n".join(ln for ln in g.splitlines() if "forge." in ln or "aten.select" in ln)
         self.assertExpectedInline(rows, """\

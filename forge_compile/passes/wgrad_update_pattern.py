@@ -617,15 +617,11 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         apply = match.apply
         weight, _, states, hparams, rule = apply.args
         operands = None
-        last_mm = max((m for m, _ in match.pairs), key=lambda n: order[n])
-        if match.passes:
-            operands, last = _accumulated_operands(graph, match, order)
-            # the fused op must follow the concatenation, which follows the last pass's matmul
+        if match.passes or match.dp is not None:
+            last_mm = max((m for m, _ in match.pairs), key=lambda n: order[n])
+            operands, last = _token_operands(graph, match, last_mm)
+            # the fused op must follow the operands' concatenation / gathering, which follows the last matmul
             anchor = last if order[anchor] <= order[last_mm] else anchor
-        if match.dp is not None:
-            early = anchor not in order or order[anchor] <= order[last_mm]
-            operands, last = _gathered_operands(graph, match, operands, last if match.passes else last_mm)
-            anchor = last if early else anchor
         for nn in match.norms:
             _replace_norm(graph, nn, match, operands)
         scale = match.scale
@@ -656,7 +652,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         for n in match.chain + [m for m, _ in match.pairs] + ([match.emb] if match.emb is not None else []):
             if not n.users:
                 graph.erase_node(n)
-    if dp_factors:
+    if any(match.dp is not None for match, _ in rewrites):
         _share_gathers(graph)
     graph.lint()
     gm.recompile()
@@ -741,70 +737,37 @@ def _host_scale(graph: fx.Graph, scale: fx.Node, hparams) -> fx.Node:
     return hs
 
 
-def _accumulated_operands(graph: fx.Graph, match: _Match, order: dict) -> tuple:
-    """((dy_t, x), last node) for accumulated passes, right after the last pass's matmul: dW = dy_t @ x with every
-    pass's dY rows and X rows concatenated over tokens -- dy_t the transposed view of the rows' concatenation, the
-    layout a single pass's dy_t has (no transposing copy); an embedding's: (grad_output rows, indices), flat. Transposes as ``permute``: Inductor lowers no
-    ``aten.t`` in the Dynamo route's backward graph, which is already decomposed."""
-    rows, xs = [], []
-    made = [max((m for m, _ in match.passes), key=lambda n: order[n])]
+def _token_operands(graph: fx.Graph, match: _Match, start: fx.Node) -> tuple:
+    """((dy_t, x), last node), right after ``start`` (the last of the matmuls, where every operand exists), for a
+    gradient whose GEMM reads more tokens than one matmul's: accumulated passes' dY rows and X rows concatenated over
+    tokens, and / or, for a data-parallel mean, every rank's all-gathered -- dW = dy_t @ x is then their sum, dy_t the
+    transposed view of the rows (the layout a single pass's dy_t has: no transposing copy). An embedding's:
+    (grad_output rows, indices), flat over tokens. Transposes as ``permute``: Inductor lowers no ``aten.t`` in the
+    Dynamo route's backward graph, which is already decomposed."""
+    made = [start]
 
     def node(target, args):   # each after the one before: graph order = creation order
         with graph.inserting_after(made[-1]):
             made.append(graph.call_function(target, args))
         return made[-1]
-    if match.embedding:     # (grad_output, indices) of every pass, flat over tokens
-        for emb, _ in match.passes:
-            grad_output, indices = emb.args[:2]
-            rows.append(node(aten.view.default, (grad_output, [-1, _meta(grad_output).shape[-1]])))
-            xs.append(node(aten.view.default, (indices, [-1])))
-    else:
-        for mm, transposed in match.passes:
-            a, b = mm.args[:2]
+    rows, xs = [], []
+    for producer, transposed in match.pairs:
+        a, b = producer.args[:2]
+        if match.embedding:     # (grad_output, indices)
+            rows.append(node(aten.view.default, (a, [-1, _meta(a).shape[-1]])))
+            xs.append(node(aten.view.default, (b, [-1])))
+        else:
             # transposed: mm = dW^T = x^T @ dy_t^T, so mm's operands are (x^T, dY rows)
             rows.append(b if transposed else node(aten.permute.default, (a, [1, 0])))
             xs.append(node(aten.permute.default, (a, [1, 0])) if transposed else b)
-    dy_rows = node(aten.cat.default, (rows, 0))
-    x = node(aten.cat.default, (xs, 0))
+    dy_rows, x = (rows[0], xs[0]) if len(rows) == 1 else (node(aten.cat.default, (rows, 0)),
+                                                           node(aten.cat.default, (xs, 0)))
+    if match.dp is not None:
+        name, world = match.dp
+        dy_rows, x = (node(C10D_WAIT, (node(C10D_ALL_GATHER, (t, world, name)),)) for t in (dy_rows, x))
     operands = (dy_rows if match.embedding else node(aten.permute.default, (dy_rows, [1, 0])), x)
     _fake_values(made[1:])
     return operands, made[-1]
-
-
-def _gathered_operands(graph: fx.Graph, match: _Match, operands, start: fx.Node) -> tuple:
-    """((dy_t, x), last node) for a data-parallel mean, right after ``start`` (where the local operands exist): every
-    rank's dY rows and X rows all-gathered over tokens, so that dy_t @ x is the sum over the ranks of their dW (an
-    embedding's: (gradient rows, indices), flat over tokens, gathered). ``operands``: the local operands of
-    accumulated passes, or None for the producer's own."""
-    made = [start]
-    name, world = match.dp
-
-    def node(target, args):   # each after the one before: graph order = creation order
-        with graph.inserting_after(made[-1]):
-            made.append(graph.call_function(target, args))
-        return made[-1]
-
-    def gather(t):
-        return node(C10D_WAIT, (node(C10D_ALL_GATHER, (t, world, name)),))
-    if match.embedding:
-        rows, indices = operands if operands is not None else match.mm.args[:2]
-        if operands is None:
-            rows = node(aten.view.default, (rows, [-1, _meta(rows).shape[-1]]))
-            indices = node(aten.view.default, (indices, [-1]))
-        out = (gather(rows), gather(indices))
-        _fake_values(made[1:])
-        return out, made[-1]
-    if operands is None:
-        a, b = match.mm.args[:2]
-        # transposed: mm = dW^T = x^T @ dy_t^T, so mm's operands are (x^T, dY rows)
-        rows, x = (b, node(aten.permute.default, (a, [1, 0]))) if match.transposed else \
-            (node(aten.permute.default, (a, [1, 0])), b)
-    else:
-        rows, x = node(aten.permute.default, (operands[0], [1, 0])), operands[1]
-    rows, x = gather(rows), gather(x)
-    dy_t = node(aten.permute.default, (rows, [1, 0]))
-    _fake_values(made[1:])
-    return (dy_t, x), made[-1]
 
 
 def _share_gathers(graph: fx.Graph) -> None:
