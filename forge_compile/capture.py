@@ -42,7 +42,8 @@ from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, w
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates
+from .kernels.stochastic_round import round_key
+from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates, stochastic_rounding_note
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
 
@@ -303,8 +304,19 @@ class _OptimizerReads:
 
 class CompiledTrainStep:
     def __init__(self, fn, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                 cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False):
+                 cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False,
+                 stochastic_rounding=False):
         functools.update_wrapper(self, fn)
+        if isinstance(stochastic_rounding, bool) or stochastic_rounding is None:
+            self._sr_seed = 0 if stochastic_rounding else None
+        elif isinstance(stochastic_rounding, int):
+            self._sr_seed = stochastic_rounding
+        else:
+            raise TypeError("compile_train_step: stochastic_rounding takes a bool or an int seed, got "
+                            f"{type(stochastic_rounding).__name__}")
+        # the step's stochastic-rounding key: one graph input, its value set before each call (round_key)
+        self._round_key = torch.zeros((), dtype=torch.int64)
+        self.round_calls = 0
         if recompute_weight_copies and cast_weights_in_update:
             raise TypeError("compile_train_step: recompute_weight_copies and cast_weights_in_update exclude each "
                             "other (the first drops the weight copies from the step, the second keeps them "
@@ -372,6 +384,13 @@ class CompiledTrainStep:
         return walk, opt_plans, tuple(skeys)
 
     # -- tracing ------------------------------------------------------------------------------------
+    def _rounds(self, plans) -> list:
+        """The round-key input of a step that rounds bf16 parameters stochastically (after the hyper-parameters),
+        or nothing."""
+        if self._sr_seed is None or not any(pl.param.dtype == torch.bfloat16 for _, pl in plans):
+            return []
+        return [self._round_key]
+
     def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs, grads_in=()):
         """``grads_in``: positions (in ``params``) of the parameters whose ``.grad`` is set when the step is called;
         those gradients are the traced step's last inputs, so a step that zeroes gradients before its backward
@@ -382,6 +401,7 @@ class CompiledTrainStep:
         n_p, n_b = len(params), len(buffers)
         n_s = sum(len(s) for s in states)
         n_h = sum(len(h) for h in hparams)
+        n_r = len(self._rounds(plans))
         out_info = {}
         fn = self._fn
         mod_items = list(modules.items())
@@ -390,7 +410,8 @@ class CompiledTrainStep:
         def step(*flat):
             tp = list(flat[:n_p]); tb = list(flat[n_p:n_p + n_b])
             ts_flat = flat[n_p + n_b:n_p + n_b + n_s]; th_flat = flat[n_p + n_b + n_s:n_p + n_b + n_s + n_h]
-            targs = list(flat[n_p + n_b + n_s + n_h:len(flat) - n_g])
+            key_t = flat[n_p + n_b + n_s + n_h] if n_r else None
+            targs = list(flat[n_p + n_b + n_s + n_h + n_r:len(flat) - n_g])
             traced = {}
             for real, t in zip(params, tp):
                 if real.requires_grad:
@@ -405,14 +426,14 @@ class CompiledTrainStep:
                 ts.append(list(ts_flat[i:i + len(s)])); i += len(s)
                 th.append(list(th_flat[j:j + len(h)])); j += len(h)
             by_opt = {}
-            for (opt, pl), s, h in zip(plans, ts, th):
-                by_opt.setdefault(id(opt), []).append((pl, s, h))
+            for salt, ((opt, pl), s, h) in enumerate(zip(plans, ts, th)):
+                by_opt.setdefault(id(opt), []).append((pl, s, h, salt))
 
             def fake_step(opt, closure=None):
                 if closure is not None:
                     raise ForgeCaptureError("forge: optimizer.step(closure) is not supported")
                 with torch.no_grad():
-                    for pl, s, h in by_opt.get(id(opt), []):
+                    for pl, s, h, salt in by_opt.get(id(opt), []):
                         t = traced[id(pl.param)]
                         if t.grad is None:
                             continue       # torch.optim skips parameters without a gradient
@@ -422,7 +443,11 @@ class CompiledTrainStep:
                                 f"forge: a {t.grad.layout} gradient (e.g. nn.Embedding(sparse=True)) is not supported; "
                                 "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
                                 "without ever making its dense gradient")
-                        torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name)
+                        if key_t is not None and t.dtype == torch.bfloat16:
+                            # stochastic rounding: the parameter's index in the step salts its bits
+                            torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name, key_t, salt)
+                        else:
+                            torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name)
 
             def fake_zero_grad(opt, set_to_none=True):
                 for group in opt.param_groups:
@@ -525,7 +550,13 @@ class CompiledTrainStep:
                 log.warning("forge: compile_train_step fused none of the step's %d weight updates (%s: %s); "
                             "last_report has every reason", len(weights), weights[0].name, weights[0].reason)
         out_info["table"] = None
-        if self._cuda_graphs:
+        if rounding := stochastic_rounding_note(gm, decisions):
+            report.notes.append(rounding)
+        if self._cuda_graphs and self._rounds(plans):
+            report.notes.append("cuda_graphs: the step is not replayed as a CUDA graph: stochastic rounding draws "
+                                "new random bits at every step (a key the host sets per call)")
+            log.warning("forge: %s", report.notes[-1])
+        elif self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
                                                 report, len(out_info["casts"]))
         if group_updates_enabled() and (note := group_note(group_wgrad_updates(gm, names))):
@@ -696,7 +727,7 @@ class CompiledTrainStep:
         plans = [(opt, pl) for opt, pls in opt_plans for pl in pls]
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
         pre = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
-               + [s for ss in states for s in ss] + [h for hh in hparams for h in hh])
+               + [s for ss in states for s in ss] + [h for hh in hparams for h in hh] + self._rounds(plans))
         if entry is None:
             gm, report, out_info = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
                                                plans, states, hparams,
@@ -715,6 +746,10 @@ class CompiledTrainStep:
         self.last_report = entry.report
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in entry.grads_in]
         flat = pre + (weight_casts(walk.params, entry.casts) if entry.casts else []) + arg_tensors
+        if self._sr_seed is not None:
+            # a new key per call (stochastic_round.round_key): the same on every data-parallel rank
+            self._round_key.fill_(round_key(self._sr_seed, self.round_calls))
+            self.round_calls += 1
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
@@ -791,7 +826,7 @@ class CompiledTrainStep:
             leaves, spec = pytree.tree_flatten((args, kwargs))
             grads_in = tuple([i for i, p in enumerate(walk.params) if p.grad is not None])
             flat = ([p.detach() for p in walk.params] + [b.detach() for b in walk.buffers]
-                    + [s for ss in states for s in ss] + [h for hh in hparams for h in hh]
+                    + [s for ss in states for s in ss] + [h for hh in hparams for h in hh] + self._rounds(plans)
                     + [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in grads_in])
             key = self._key(walk, skeys, states, leaves, spec, grads_in)
             _, report, _ = self._build(key, modules, optimizers, walk.params, walk.pnames, walk.buffers,
@@ -927,7 +962,8 @@ def _decompose_remaining_updates(gm, flat):
 
 
 def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimizers=None, options=None,
-                       cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False):
+                       cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False,
+                       stochastic_rounding=False):
     """Compile an ordinary train step (forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``)
     into one graph whose linear weight gradients are fused with their optimizer update. ``options``: Inductor
     options, as ``torch.compile(..., options=...)`` takes them (e.g. ``{"cpp_wrapper": True}``).
@@ -954,10 +990,20 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     parameter's version counter moved outside the step (in-place edits, ``load_state_dict``) or its storage changed
     (``param.data = t``); in-place writes through ``param.data`` move neither and would leave the copy stale: do
     not combine them with this option.
-    Excludes ``recompute_weight_copies``."""
+    Excludes ``recompute_weight_copies``.
+
+    ``stochastic_rounding=True`` (or an int seed; True is seed 0) trains bf16 parameters without fp32 master
+    weights: each bf16 parameter's update runs in fp32 -- on the fp32 dW for a fused weight, which never exists in
+    bf16 either -- and the new value is stored rounded stochastically (up with probability equal to the discarded
+    fraction), so that updates smaller than half a bf16 ulp still move the weight on average; its optimizer states
+    stay in the dtype torch.optim gave them (bf16 for bf16 parameters), rounded to nearest. The random bits are a
+    hash of (seed, call count, parameter index, element index): reproducible from the seed, equal on every
+    data-parallel rank, independent of torch's generators. Without the option bf16 parameters are updated by
+    torch.optim's arithmetic as in eager (and left unfused). fp32 and fp16 parameters are not affected. Steps that
+    round this way are not replayed as CUDA graphs (``cuda_graphs`` then runs them as without it)."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
               cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
-              cast_weights_in_update=cast_weights_in_update)
+              cast_weights_in_update=cast_weights_in_update, stochastic_rounding=stochastic_rounding)
     if fn is None:
         return lambda f: CompiledTrainStep(f, **kw)
     return CompiledTrainStep(fn, **kw)

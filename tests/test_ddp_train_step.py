@@ -128,6 +128,9 @@ def scenarios(rank, device, cuda_graphs=False):
     run("mlp_uneven", MLP(16, 64, 32), sgd, lambda i: ([rnd(3 + rank, 16)], [rnd(3 + rank, 32)]))
     # BatchNorm's running statistics: rank 0's broadcast before each forward
     run("bn_buffers", BNMLP(), sgd, lambda i: ([rnd(4, 16)], [rnd(4, 8)]))
+    # bf16 weights rounded stochastically: every rank draws the same bits (eager DDP rounds to nearest: not compared)
+    run("mlp_bf16_sr", MLP(16, 64, 32).to(torch.bfloat16), sgd,
+        lambda i: ([rnd(4, 16).to(torch.bfloat16)], [rnd(4, 32)]), stochastic_rounding=True)
 
     # no_sync(): the first call accumulates locally (no all-reduce, gradients outlive it), the second synchronises
     torch.manual_seed(0)
@@ -223,6 +226,11 @@ def check(results, graphs=False):
         assert "tied" in r["unfused"]["model.module.emb.weight"] and max(r["diff"].values()) <= 1e-5, r
         r = res["bn_buffers"]
         assert max(r["buffers"].values()) <= 1e-6 and max(r["diff"].values()) <= 1e-6, r
+        r = res["mlp_bf16_sr"]
+        assert r["spread"] == 0.0, r
+        assert set(r["fused"]) == {"model.module.fc1.weight", "model.module.fc2.weight"}, r
+        assert any("stochastic_rounding: 4 bf16 parameters" in n for n in r["notes"]), r
+        assert 0 < max(r["diff"].values()) < 0.1, r      # it trained, near eager DDP's round-to-nearest training
         r = res["no_sync"]
         assert r["spread"] == 0.0 and max(r["diff"].values()) <= 1e-6, r
         assert "accumulates into the .grad" in r["unfused"]["model.module.fc1.weight"], r

@@ -487,3 +487,20 @@ v31 = forge.cast_after(in4, v30, torch.bfloat16)
 v32 = aten.view(v31, [10, 4])
 v33 = forge.wgrad_update_(in0, v30, v32, [], [in2], 'sgd[momentum=False,nesterov=False,weight_decay=False,maximize=False]')
 return [v13]""")
+
+    def test_mlp_bf16_stochastic_rounding(self):
+        # bf16 weights: the fused updates take the step's round key (a graph input after the hyper-parameters) and
+        # the parameter's salt; the biases' unfused updates round with the same key
+        model = MLP(4, 6, 3).to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x).float(), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+        g, rep = _rewritten(step, torch.randn(2, 4).to(torch.bfloat16), torch.randn(2, 3), stochastic_rounding=True)
+        self.assertExpectedInline(_fused_lines(g), """\
+v14 = forge.wgrad_update_(in2, v12, v13, [in6], [in14, in15, in16], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', round_key=in20, round_salt=2)
+v19 = forge.wgrad_update_(in0, v18, in21, [in4], [in8, in9, in10], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', round_key=in20, round_salt=0)
+v22 = forge.apply_rule_(in1, v21, [in5], [in11, in12, in13], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 1)
+v23 = forge.apply_rule_(in3, v16, [in7], [in17, in18, in19], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 3)
+return [v6]""")
+        self.assertExpectedInline("\n".join(n for n in rep.notes if "stochastic" in n), """stochastic_rounding: 4 bf16 parameters are updated in fp32 and stored rounded stochastically, 2 of them by fused updates (from the fp32 dW)""")

@@ -21,7 +21,14 @@ Arguments:
 - emb (optional) (grad_output, indices, padding_idx): a tied embedding's contribution -- dW gains
   ``aten.embedding_dense_backward(grad_output, indices, N, padding_idx, False)``, read row by row from compact rows
   (kernels/embedding_update.compact_rows), never dense; the op's arguments emb_grad_output / emb_indices /
-  emb_padding_idx.
+  emb_padding_idx;
+- round_key (optional) 0-dim int64 CPU tensor, round_salt int: stochastic rounding of a bf16 weight
+  (compile_train_step(stochastic_rounding=...)): the weight (bf16) and its tensor states (bf16 or fp32) are read
+  into fp32, the rule runs there on the fp32 dW, the new weight is stored rounded stochastically with the bits of
+  ``stochastic_round.element_key(round_key, round_salt)`` (kernels/stochastic_round.py), bf16 states round to
+  nearest even:
+      p, *s = rule.fn(weight.float(), dW, *[s.float() for s in states], *hparams)
+      weight <- stochastic_round_bf16(p, ekey); states <- s (Tensor.copy_)
 """
 from __future__ import annotations
 
@@ -31,41 +38,74 @@ import torch
 
 from .. import _compat
 from ..optim.rule import get_rule
+from .stochastic_round import element_key, stochastic_round_bf16
 from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "cpu_block_shape", "triton_on_cpu"]
+__all__ = ["wgrad_update", "wgrad_update_table", "reference_wgrad_update", "reference_update", "cpu_block_shape",
+           "triton_on_cpu"]
 
 
-def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out=None, emb=None) -> torch.Tensor:
+def reference_wgrad_update(weight, dy_t, x, states, hparams, rule: str, cast_out=None, emb=None, ekey=None
+                           ) -> torch.Tensor:
     """Plain-torch spec: materializes dW, applies the rule in place, casts the new W into ``cast_out``, returns dW
-    (tests only)."""
+    (tests only). ``ekey``: a bf16 weight's stochastic rounding (``element_key``; the module docstring)."""
     grad = dy_t.float() @ x.float()
     if emb is not None:
         grad = grad + torch.ops.aten.embedding_dense_backward(emb[0], emb[1], weight.shape[0], emb[2], False).float()
-    with torch.no_grad():
-        get_rule(rule).apply(weight, grad, list(states), list(hparams))
-        if cast_out is not None:
-            cast_out.copy_(weight)
+    reference_update(weight, grad, states, hparams, rule, ekey)
+    if cast_out is not None:
+        cast_out.copy_(weight)
     return grad
 
 
-def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None, emb=None) -> None:
+def reference_update(weight, grad, states, hparams, rule: str, ekey=None) -> None:
+    """The update part of the spec on a given dW (fp32): the rule in place, or -- ``ekey`` given, a bf16 weight --
+    the rule on fp32 copies, the weight stochastically rounded, the states copied back (tests only)."""
+    with torch.no_grad():
+        if ekey is None:
+            get_rule(rule).apply(weight, grad, list(states), list(hparams))
+            return
+        rule_ = get_rule(rule)
+        ins = [s if rule_.is_scalar_state(i) else s.float() for i, s in enumerate(states)]
+        out = rule_.fn(weight.float(), grad, *ins, *hparams)
+        weight.copy_(stochastic_round_bf16(out[0], ekey))
+        for s, new in zip(states, out[1:]):
+            s.copy_(new)
+
+
+def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None, emb=None,
+                 ekey=None) -> None:
     """Launch the fused update. ``grad_out`` (debug/exactness only) receives the dW it consumed; ``cast_out`` the
     updated weight's low-precision copy (one of the two: the kernels have one side output); ``emb``: a tied
-    embedding's gradient contribution, see the module docstring."""
+    embedding's gradient contribution; ``ekey``: a bf16 weight's stochastic-rounding key (``element_key``); see the
+    module docstring."""
     _check(weight, dy_t, x, states, rule)
     _check_cast_out(weight, grad_out, cast_out)
+    _check_rounding(weight, cast_out, ekey)
     extra = _extra_rows(weight, emb)
     if weight.is_cuda or triton_on_cpu():
         from .wgrad_update_triton import launch_wgrad_update
 
         launch_wgrad_update(weight, dy_t, x, list(states), list(hparams), get_rule(rule),
-                            side_out=cast_out if cast_out is not None else grad_out, extra=extra)
+                            side_out=cast_out if cast_out is not None else grad_out, extra=extra, ekey=ekey)
     else:
         wgrad_update_cpu(weight, dy_t, x, list(states), list(hparams), rule, grad_out=grad_out, cast_out=cast_out,
-                         extra=extra)
+                         extra=extra, ekey=ekey)
+
+
+def _check_rounding(weight, cast_out, ekey):
+    if weight.dtype == torch.float32 and ekey is None:
+        return
+    if weight.dtype != torch.bfloat16 or ekey is None or cast_out is not None:
+        raise ValueError(f"wgrad_update: a {weight.dtype} weight with round_key={'set' if ekey is not None else None}"
+                         f"{' and cast_out' if cast_out is not None else ''}: fp32 weights take no key; bf16 weights "
+                         "are stochastically rounded and need one (and have no cast copy)")
+
+
+def _ekey(round_key, round_salt):
+    return None if round_key is None else element_key(int(round_key), round_salt)
 
 
 def _extra_rows(weight, emb):
@@ -126,9 +166,10 @@ _LIB = torch.library.Library("forge", "FRAGMENT")
 # moment (bias corrections, lr), so a CUDA graph that captured it would replay step 1's values forever. Inductor's
 # cudagraphs then leave the op out (graph_partition: a partition boundary; otherwise the graph is not captured).
 _EMB_ARGS = "Tensor? emb_grad_output=None, Tensor? emb_indices=None, int emb_padding_idx=-1"
+_ROUND_ARGS = "Tensor? round_key=None, int round_salt=0"
 _LIB.define(
     "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
-    f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}) -> ()",
+    f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}, {_ROUND_ARGS}) -> ()",
     tags=_compat.cudagraph_unsafe_tags(),
 )
 
@@ -138,9 +179,9 @@ def _emb(grad_output, indices, padding_idx):
 
 
 def wgrad_update_(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
-                  emb_padding_idx=-1):
+                  emb_padding_idx=-1, round_key=None, round_salt=0):
     wgrad_update(weight, dy_t, x, states, hparams, rule, cast_out=cast_out,
-                 emb=_emb(emb_grad_output, emb_indices, emb_padding_idx))
+                 emb=_emb(emb_grad_output, emb_indices, emb_padding_idx), ekey=_ekey(round_key, round_salt))
     torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
@@ -149,7 +190,7 @@ _LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
 def _(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
-      emb_padding_idx=-1):
+      emb_padding_idx=-1, round_key=None, round_salt=0):
     return None
 
 

@@ -33,6 +33,7 @@ import torch
 
 from ..optim import rules as _rules
 from ..optim.rule import Rule, get_rule, scaled_base
+from .stochastic_round import stochastic_round_bf16_at
 
 log = logging.getLogger(__name__)
 
@@ -350,12 +351,15 @@ def _scratch(elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     return bufs
 
 
-def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None, extra=None) -> None:
+def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None, cast_out=None, extra=None,
+                     ekey=None) -> None:
     """``grad_out``: receives dW; ``cast_out``: receives the updated weight cast to its dtype, block by block while
     the block is in cache (forge::wgrad_update_'s cast_out); ``extra``: (rows, pos), row r of dW gains rows[pos[r]]
-    where pos[r] >= 0 (a tied embedding's gradient; with an empty matmul, an embedding's: embedding_update.py)."""
+    where pos[r] >= 0 (a tied embedding's gradient; with an empty matmul, an embedding's: embedding_update.py);
+    ``ekey``: a bf16 weight (bf16/fp32 states) updated in fp32 and stored stochastically rounded with this key
+    (stochastic_round.py), through the generic path."""
     rule = get_rule(rule_name)
-    plan = fast_path_for(rule, hparams, states)
+    plan = None if ekey is not None else fast_path_for(rule, hparams, states)
     n, k = weight.shape
     xf = x if x.dtype == torch.float32 else x.float()
     rows, cols = cpu_block_shape(n, k)
@@ -373,7 +377,7 @@ def wgrad_update_cpu(weight, dy_t, x, states, hparams, rule_name, grad_out=None,
                 if rule.is_scalar_state(i):
                     states[i].copy_(new_scalars[name])
         else:
-            _generic(rule, weight, states, hparams, blocks, cast_out)
+            _generic(rule, weight, states, hparams, blocks, cast_out, ekey)
 
 
 # (rule, hyper-parameter and scalar-state values) -> (block, new scalars): every linear layer of a step has the
@@ -418,7 +422,7 @@ def _blocks(n, k, rows, cols, dy_t, xf, gbuf, tbuf, grad_out, extra=None):
             yield blk, g, tbuf[:size].view(shape)
 
 
-def _generic(rule, weight, states, hparams, blocks, cast_out=None):
+def _generic(rule, weight, states, hparams, blocks, cast_out=None, ekey=None):
     tensor_idx = [i for i in range(len(states)) if not rule.is_scalar_state(i)]
     scalar_idx = [i for i in range(len(states)) if rule.is_scalar_state(i)]
     scalar_in = [states[i].clone() for i in scalar_idx]   # every block starts from the old scalars
@@ -429,8 +433,17 @@ def _generic(rule, weight, states, hparams, blocks, cast_out=None):
             blk_states[i] = states[i][blk]
         for j, i in enumerate(scalar_idx):
             blk_states[i] = scalar_in[j]
-        out = rule.fn(weight[blk], g, *blk_states, *hparams)
-        weight[blk].copy_(out[0])
+        if ekey is None:
+            out = rule.fn(weight[blk], g, *blk_states, *hparams)
+            weight[blk].copy_(out[0])
+        else:
+            for i in tensor_idx:
+                blk_states[i] = blk_states[i].float()
+            out = rule.fn(weight[blk].float(), g, *blk_states, *hparams)
+            rows, cols = blk
+            k = weight.shape[1]
+            idx = (torch.arange(rows.start, rows.stop)[:, None] * k + torch.arange(cols.start, cols.stop)[None, :])
+            weight[blk].copy_(stochastic_round_bf16_at(out[0], idx, ekey))
         for i in tensor_idx:
             states[i][blk].copy_(out[1 + i])
         if cast_out is not None:

@@ -34,13 +34,14 @@ import torch
 
 from ..optim.rule import Rule
 from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .stochastic_round import TRITON_SROUND
 
 log = logging.getLogger(__name__)
 
 __all__ = ["launch_wgrad_update", "rule_scalars", "pick_config", "render_kernel_source", "CONFIGS", "Config",
            "side_mode", "check_side_out", "SIDE_NONE", "SIDE_GRAD", "SIDE_CAST"]
 
-_TEMPLATE = TRITON_RULE_HEAD + '''
+_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + '''
 
 @triton.jit
 def _ld(ptrs, mask, EVEN: tl.constexpr):
@@ -65,10 +66,28 @@ def _cast_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask,
+def _st_as(ptrs, val, mask, EVEN: tl.constexpr):
+    # a bf16/fp16 optimizer state: round to nearest even, as Tensor.to
+    if ptrs.dtype.element_ty == tl.float32:
+        _st(ptrs, val, mask, EVEN)
+    else:
+        _st(ptrs, _cast_to(val, ptrs.dtype.element_ty), mask, EVEN)
+
+
+@triton.jit
+def _st_w(ptrs, val, off, EKEY, mask, EVEN: tl.constexpr):
+    # a bf16 weight: stochastic rounding with the bits of its elements' offsets and EKEY (stochastic_round.py)
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        _st(ptrs, _cast_to(_sround_bits(val, off, EKEY), tl.bfloat16), mask, EVEN)
+    else:
+        _st(ptrs, val, mask, EVEN)
+
+
+@triton.jit
+def _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}EKEY, off, mask,
            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STORE_GRAD: tl.constexpr):
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}BN, BK)
-    _st(W + off, {new_p}, mask, EVEN)
+    _st_w(W + off, {new_p}, off, EKEY, mask, EVEN)
 {state_stores}
     if STORE_GRAD == 1:
         _st(GOUT + off, g, mask, EVEN)
@@ -78,11 +97,11 @@ def _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask,
 
 
 @triton.jit
-def _chunk(g, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0,
+def _chunk(g, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0,
            BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STORE_GRAD: tl.constexpr):
     # W and the tensor states of one [BN, BK] chunk are read only now (register pressure).
     p, {state_vars}off, mask = _load_chunk(W, {state_ptrs}N, K, row0, col0, BN, BK, EVEN)
-    _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}off, mask, BN, BK, EVEN, STORE_GRAD)
+    _apply(g, p, {state_vars}W, {state_ptrs}GOUT, {scalar_params}EKEY, off, mask, BN, BK, EVEN, STORE_GRAD)
 
 
 @triton.jit
@@ -92,7 +111,8 @@ def _load_chunk(W, {state_ptrs}N, K, row0, col0, BN: tl.constexpr, BK: tl.conste
     rk = tl.arange(0, BK)
     off = row0.to(tl.int64) * K + col0 + (rn[:, None] * K + rk[None, :])
     mask = ((row0 + rn) < N)[:, None] & ((col0 + rk) < K)[None, :]
-    p = _ld(W + off, mask, EVEN)
+    # bf16 weights/states are updated in fp32 (a no-op conversion for fp32 ones)
+    p = _ld(W + off, mask, EVEN).to(tl.float32)
 {state_loads}
     return p, {state_vars}off, mask
 
@@ -113,12 +133,12 @@ def _chunk_tma(g, W, {state_ptrs}GOUT, {scalar_params}row0, col0,
 
 
 @triton.jit
-def _epilogue(g, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0,
+def _epilogue(g, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0,
               BN: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, STORE_GRAD: tl.constexpr, TMA: tl.constexpr):
     if TMA:
         _chunk_tma(g, W, {state_ptrs}GOUT, {scalar_params}row0, col0, BN, BK, STORE_GRAD)
     else:
-        _chunk(g, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0, BN, BK, EVEN, STORE_GRAD)
+        _chunk(g, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0, BN, BK, EVEN, STORE_GRAD)
 
 
 @triton.jit
@@ -127,9 +147,10 @@ def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(t, [BN, 2, BK // 2]), [0, 2, 1]))
 
 
-@triton.jit
+# EKEY never specialized: a key of 1 would become a constexpr
+@triton.jit(do_not_specialize=["EKEY"])
 def wgrad_update_kernel(
-    W, DYT, X, {state_ptrs}GOUT, EROWS, EPOS,
+    W, DYT, X, {state_ptrs}GOUT, EROWS, EPOS, EKEY,
     {kernel_scalar_params}N, K, M,
     stride_dn, stride_dm, stride_xm, stride_xk,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
@@ -160,7 +181,7 @@ def wgrad_update_kernel(
             prk = tl.arange(0, BLOCK_K)
             poff = row0.to(tl.int64) * K + col0 + (prn[:, None] * K + prk[None, :])
             pmask = ((row0 + prn) < N)[:, None] & ((col0 + prk) < K)[None, :]
-            p = _ld(W + poff, pmask, EVEN_NK)
+            p = _ld(W + poff, pmask, EVEN_NK).to(tl.float32)
 {prefetch_loads}
 
     if PIPE == 2:
@@ -212,7 +233,7 @@ def wgrad_update_kernel(
             if STORE_GRAD:
                 GOUT.store([row0, col0], acc)
         else:
-            _apply(acc, p, {prefetch_vars}W, {state_ptrs}GOUT, {scalar_params}poff, pmask,
+            _apply(acc, p, {prefetch_vars}W, {state_ptrs}GOUT, {scalar_params}EKEY, poff, pmask,
                    BLOCK_N, BLOCK_K, EVEN_NK, STORE_GRAD)
     elif PIPE:
         # software-pipelined split epilogue (pointer path): chunk c+1's loads are issued before chunk c's
@@ -229,23 +250,23 @@ def wgrad_update_kernel(
             q2, q3 = _halves(h1, BLOCK_N, BLOCK_K // 2)
 {pipe_body4}
     elif EPI_SPLIT == 1:
-        _epilogue(acc, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0, BLOCK_N, BLOCK_K, EVEN_NK, STORE_GRAD, TMA)
+        _epilogue(acc, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0, BLOCK_N, BLOCK_K, EVEN_NK, STORE_GRAD, TMA)
     elif EPI_SPLIT == 2:
         g0, g1 = _halves(acc, BLOCK_N, BLOCK_K)
-        _epilogue(g0, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0, BLOCK_N, BLOCK_K // 2, EVEN_NK, STORE_GRAD, TMA)
-        _epilogue(g1, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0 + BLOCK_K // 2, BLOCK_N, BLOCK_K // 2,
+        _epilogue(g0, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0, BLOCK_N, BLOCK_K // 2, EVEN_NK, STORE_GRAD, TMA)
+        _epilogue(g1, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0 + BLOCK_K // 2, BLOCK_N, BLOCK_K // 2,
                EVEN_NK, STORE_GRAD, TMA)
     else:
         tl.static_assert(EPI_SPLIT == 4)
         g0, g1 = _halves(acc, BLOCK_N, BLOCK_K)
         g00, g01 = _halves(g0, BLOCK_N, BLOCK_K // 2)
-        _epilogue(g00, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0, BLOCK_N, BLOCK_K // 4, EVEN_NK, STORE_GRAD, TMA)
-        _epilogue(g01, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0 + BLOCK_K // 4, BLOCK_N, BLOCK_K // 4,
+        _epilogue(g00, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0, BLOCK_N, BLOCK_K // 4, EVEN_NK, STORE_GRAD, TMA)
+        _epilogue(g01, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0 + BLOCK_K // 4, BLOCK_N, BLOCK_K // 4,
                EVEN_NK, STORE_GRAD, TMA)
         g10, g11 = _halves(g1, BLOCK_N, BLOCK_K // 2)
-        _epilogue(g10, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0 + BLOCK_K // 2, BLOCK_N, BLOCK_K // 4,
+        _epilogue(g10, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0 + BLOCK_K // 2, BLOCK_N, BLOCK_K // 4,
                EVEN_NK, STORE_GRAD, TMA)
-        _epilogue(g11, W, {state_ptrs}GOUT, {scalar_params}N, K, row0, col0 + 3 * (BLOCK_K // 4), BLOCK_N,
+        _epilogue(g11, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0 + 3 * (BLOCK_K // 4), BLOCK_N,
                BLOCK_K // 4, EVEN_NK, STORE_GRAD, TMA)
 '''
 
@@ -268,7 +289,7 @@ def _pipe_body(n_split, states, ptrs, n_scalars):
             lines.append(_pipe_load(c + 1, states, ptrs, 12))
         p, *st, off, mask = _pipe_vars(c, states)
         lines.append(f"            _apply(q{c}, {p}, {''.join(v + ', ' for v in st)}W, {''.join(q + ', ' for q in ptrs)}GOUT, "
-                     f"{scal}{off}, {mask}, BLOCK_N, BLOCK_K // EPI_SPLIT, EVEN_NK, STORE_GRAD)")
+                     f"{scal}EKEY, {off}, {mask}, BLOCK_N, BLOCK_K // EPI_SPLIT, EVEN_NK, STORE_GRAD)")
     return "\n".join(lines)
 
 
@@ -280,9 +301,9 @@ def render_kernel_source(ep: Epilogue, table: bool = False) -> str:
     new_vars = [f"new_{v}" for v in ("p", *states)]
     return _TEMPLATE.format(
         **triton_fields(ep, table, "SCAL"), module="wgrad_update_triton",
-        state_stores="\n".join(f"    _st({p} + off, {v}, mask, EVEN)" for p, v in zip(ptrs, new_vars[1:])),
-        state_loads="\n".join(f"    {s} = _ld({p} + off, mask, EVEN)" for s, p in zip(states, ptrs)),
-        prefetch_loads="\n".join(f"            pf_{s} = _ld({p} + poff, pmask, EVEN_NK)" for s, p in zip(states, ptrs)),
+        state_stores="\n".join(f"    _st_as({p} + off, {v}, mask, EVEN)" for p, v in zip(ptrs, new_vars[1:])),
+        state_loads="\n".join(f"    {s} = _ld({p} + off, mask, EVEN).to(tl.float32)" for s, p in zip(states, ptrs)),
+        prefetch_loads="\n".join(f"            pf_{s} = _ld({p} + poff, pmask, EVEN_NK).to(tl.float32)" for s, p in zip(states, ptrs)),
         prefetch_vars="".join(f"pf_{s}, " for s in states),
         pipe_load0=_pipe_load(0, states, ptrs, 8),
         pipe_load0_late=_pipe_load(0, states, ptrs, 12),
@@ -538,10 +559,10 @@ def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor) -> None
                          f"1-D tensor on {weight.device} (rule_scalars()), got {got}")
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None, extra=None):
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None, extra=None, ekey=None):
     """Checks, host scalars, config: everything of a launch except the launch and the scalar-state update.
     ``table``: the rule's scalars are read from this device row (``states`` = the tensor states; no scalar
-    states to advance)."""
+    states to advance). ``ekey``: a bf16 weight's stochastic-rounding key (check_low_precision)."""
     n, k = weight.shape
     m = x.shape[0]
     interpret = not weight.is_cuda
@@ -551,9 +572,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, tab
     ep, kernel = _kernel_for(rule, target, table is not None)
 
     tensor_states, scalar_states = split_states(rule, states, table)
-    for s in (weight, *tensor_states):
-        if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != weight.shape:
-            raise ValueError("forge: weight and tensor states must be contiguous fp32 [N, K] tensors")
+    check_low_precision(weight, tensor_states, side_out, ekey)
     check_side_out(side_out, weight)
     if table is None:
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
@@ -575,12 +594,29 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, tab
         _warn_tf32_once()
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, upcast, tf32)]
     grid, args, opts = launch_spec(cfg, weight, dy_t, x, tensor_states, side_out, scalars, upcast, interpret, tf32,
-                                   extra)
+                                   extra, ekey)
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
+def check_low_precision(weight, tensor_states, side_out, ekey) -> None:
+    """fp32 weights with fp32 states, or -- stochastic rounding, ``ekey`` given (stochastic_round.element_key) -- a
+    bf16 weight with bf16 or fp32 states: loaded into fp32, updated there, the weight stored stochastically rounded,
+    bf16 states rounded to nearest even. All contiguous [N, K]."""
+    sr = weight.dtype == torch.bfloat16
+    if sr != (ekey is not None):
+        raise ValueError("forge: a bf16 weight is updated with stochastic rounding and needs its key (ekey=); an "
+                         f"fp32 weight takes none (got a {weight.dtype} weight, ekey={ekey!r})")
+    ok = (torch.bfloat16, torch.float32) if sr else (torch.float32,)
+    for s in (weight, *tensor_states):
+        if s.dtype not in ok or not s.is_contiguous() or s.shape != weight.shape:
+            raise ValueError("forge: weight and tensor states must be contiguous [N, K] tensors, fp32 -- or a bf16 "
+                             "weight (stochastic rounding) with bf16/fp32 states")
+    if sr and side_out is not None and side_out.dtype != torch.float32:
+        raise ValueError("forge: a bf16 weight has no low-precision copy to write (side_out must be fp32 dW)")
+
+
 def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, upcast: bool, interpret: bool,
-                tf32: bool = False, extra=None):
+                tf32: bool = False, extra=None, ekey=None):
     """grid, positional args and keyword options of one kernel launch (``tf32``: the upcast dot in TF32; ``extra``:
     (rows, pos) added to dW, see launch_wgrad_update)."""
     n, k = weight.shape
@@ -591,14 +627,17 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, 
     mode = side_mode(side_out)
     # TMA: 16-byte aligned bases and row strides (k % 4 for fp32); otherwise the pointer epilogue, which also
     # writes the cast copy (its store converts in registers; a TMA store would need a second smem tile)
-    tma = cfg.tma and mode != SIDE_CAST and k % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in epi)
+    # bf16 weights/states (stochastic rounding) take the pointer epilogue too: its loads convert to fp32 and its
+    # stores round, in registers
+    tma = (cfg.tma and mode != SIDE_CAST and k % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in epi)
+           and all(t.dtype == torch.float32 for t in epi))
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         block = [cfg.bn, cfg.bk // (1 if cfg.prefetch else cfg.split)]
         epi = [TensorDescriptor(t, [n, k], [k, 1], block) for t in epi]
     erows, epos = extra if extra is not None else (weight, weight)
-    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1], erows, epos,
+    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1], erows, epos, 0 if ekey is None else ekey,
             *scalars, n, k, m, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1))
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
@@ -615,15 +654,16 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, 
 
 
 def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: str | None = None,
-                 table=None):
+                 table=None, ekey=None):
     """(benchmarks) A zero-argument callable that launches the kernel alone, host part done once; it
     returns the CompiledKernel (``.n_regs``, ``.n_spills``). Scalar states are NOT advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config, table)
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config, table,
+                                              ekey=ekey)
     return lambda: kernel[grid](*args, **opts)
 
 
 def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: str | None = None,
-                        table=None, extra=None):
+                        table=None, extra=None, ekey=None):
     """weight [N, K] fp32 contiguous; dy_t [N, M], x [M, K] any strides; updates weight/states in place.
 
     On sm_90 the launch may go to the Gluon kernel (wgrad_update_gluon.use_gluon; FORGE_WGRAD_KERNEL=auto|gluon|
@@ -641,10 +681,22 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
     ``extra``: (rows, pos) -- row r of dW gains ``rows[pos[r]]`` where pos[r] >= 0 (a tied embedding's gradient,
     embedding_update.compact_rows; rows [*, K] float, pos [N] int32). Such a launch takes this kernel with its table
     config -- or, with FORGE_GLUON_EXTRA=1, the Gluon smem/split kernel -- and is neither tuned nor memoized (rows
-    and pos are new tensors at every step)."""
+    and pos are new tensors at every step).
+
+    ``ekey``: a bf16 weight, updated in fp32 and stored stochastically rounded with this key
+    (stochastic_round.element_key; bf16 or fp32 states). Such a launch takes this kernel's pointer epilogue with
+    its table config, neither Gluon nor tuned nor memoized (the key is new at every step)."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
+    if ekey is not None or weight.dtype != torch.float32:
+        kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
+            weight, dy_t, x, states, hparams, rule, side_out, config, table, extra, ekey)
+        kernel[grid](*args, **opts)
+        with torch.no_grad():
+            for s, new in zip(scalar_states, new_scalar_states):
+                s.fill_(new)
+        return
     if extra is not None and config is None and weight.is_cuda:
         from . import wgrad_update_gluon as wg
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -105,6 +105,9 @@ def scaled_base(rule: Rule):
 # The per-parameter update op the capture emits. The pass matches it (with the mm feeding its grad)
 # instead of the rule's decomposed element-wise ops, which differ between torch versions. Whatever the
 # pass leaves unfused is decomposed back into the rule's element-wise ops before Inductor sees it.
+# ``round_key`` (0-dim int64 CPU tensor) and ``round_salt``: a bf16 parameter under
+# compile_train_step(stochastic_rounding=...): the rule runs on fp32 copies of the parameter, gradient and tensor
+# states, the parameter is stored stochastically rounded (kernels/stochastic_round.py), the states copied back.
 @torch.library.custom_op("forge::apply_rule_", mutates_args=("param", "states"))
 def apply_rule_(
     param: torch.Tensor,
@@ -112,16 +115,28 @@ def apply_rule_(
     states: list[torch.Tensor],
     hparams: list[torch.Tensor],
     rule: str,
+    round_key: Optional[torch.Tensor] = None,
+    round_salt: int = 0,
 ) -> None:
     with torch.no_grad():
-        get_rule(rule).apply(param, grad, states, hparams)
+        decompose_apply_rule(param, grad, states, hparams, rule, round_key, round_salt)
 
 
 @apply_rule_.register_fake
-def _(param, grad, states, hparams, rule):
+def _(param, grad, states, hparams, rule, round_key=None, round_salt=0):
     return None
 
 
-def decompose_apply_rule(param, grad, states, hparams, rule):
+def decompose_apply_rule(param, grad, states, hparams, rule, round_key=None, round_salt=0):
     """Decomposition used when re-tracing: the rule's ops plus copy_ back into param and states."""
-    get_rule(rule).apply(param, grad, list(states), list(hparams))
+    r = get_rule(rule)
+    if round_key is None:
+        r.apply(param, grad, list(states), list(hparams))
+        return
+    from ..kernels.stochastic_round import element_key_t, stochastic_round_bf16
+
+    ins = [s if r.is_scalar_state(i) else s.float() for i, s in enumerate(states)]
+    out = r.fn(param.float(), grad.float(), *ins, *hparams)
+    param.copy_(stochastic_round_bf16(out[0], element_key_t(round_key, round_salt)))
+    for s, new in zip(states, out[1:]):
+        s.copy_(new)

@@ -418,12 +418,20 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     ``after_copies``: the fused op also goes after every reader of W's cast copies (the backward's dX mm), so
     that ``remat_for_backward`` may recompute such a copy there instead of keeping the forward's."""
     apply = match.apply
-    weight, _, states, hparams, rule_name = apply.args
+    weight, _, states, hparams, rule_name = apply.args[:5]
     w = _meta(weight)
+    rounded = round_args(apply) is not None
     if w is None or w.dim() != 2:
         return False, "parameter is not 2-D", None
-    if w.dtype != torch.float32:
-        return False, f"parameter dtype {w.dtype} (fused updates need fp32 master weights)", None
+    if w.dtype == torch.bfloat16 and not rounded:
+        return False, ("parameter dtype torch.bfloat16: updated by torch.optim's bf16 arithmetic as in eager "
+                       "(compile_train_step(stochastic_rounding=True) fuses bf16 weights)"), None
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        return False, f"parameter dtype {w.dtype} (fused updates need fp32 master weights, or bf16 ones rounded " \
+                      "stochastically)", None
+    if rounded and match.embedding:
+        return False, ("stochastic rounding of an embedding weight is not fused yet (updated unfused, rounded "
+                       "stochastically)"), None
     if not w.is_contiguous():
         return False, "parameter is not contiguous", None
     if w.device.type not in ("cpu", "cuda"):
@@ -434,8 +442,10 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         if rule.is_scalar_state(i):
             if sv is None or sv.dim() != 0 or sv.device.type != "cpu":
                 return False, f"scalar state {rule.states[i]!r} is not a 0-dim CPU tensor", None
-        elif sv is None or tuple(sv.shape) != tuple(w.shape) or sv.dtype != torch.float32 or not sv.is_contiguous():
-            return False, f"state {rule.states[i]!r} is not an fp32 contiguous tensor shaped like the parameter", None
+        elif (sv is None or tuple(sv.shape) != tuple(w.shape) or not sv.is_contiguous()
+              or sv.dtype not in ((torch.float32, torch.bfloat16) if rounded else (torch.float32,))):
+            return False, (f"state {rule.states[i]!r} is not an fp32{' or bf16' * rounded} contiguous tensor shaped "
+                           "like the parameter"), None
     a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
     for emb in ([m for m, _ in match.pairs] if match.embedding else [match.emb] if match.emb is not None else []):
         why = _embedding_unsupported(emb, w)
@@ -615,7 +625,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     host_scales, dp_factors = {}, {}
     for match, anchor in rewrites:
         apply = match.apply
-        weight, _, states, hparams, rule = apply.args
+        weight, _, states, hparams, rule = apply.args[:5]
         operands = None
         if match.passes or match.dp is not None:
             last_mm = max((m for m, _ in match.pairs), key=lambda n: order[n])
@@ -634,7 +644,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             # the fused op goes after the host copy of the factor; that copy sits right after the factor
             anchor = hs if anchor is match.scale or anchor is scale else anchor
             hparams, rule = list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name
-            apply.args = (weight, apply.args[1], states, hparams, rule)
+            apply.args = (weight, apply.args[1], states, hparams, rule, *apply.args[5:])
         if match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
             if operands is not None:
@@ -657,6 +667,32 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     graph.lint()
     gm.recompile()
     return decisions
+
+
+def round_args(node: fx.Node) -> Optional[tuple]:
+    """(round_key node, salt) of an ``apply_rule_`` / ``wgrad_update_`` that rounds a bf16 parameter stochastically
+    (compile_train_step(stochastic_rounding=...)), or None."""
+    if node.target is _APPLY:
+        key = node.args[5] if len(node.args) > 5 else node.kwargs.get("round_key")
+        salt = node.args[6] if len(node.args) > 6 else node.kwargs.get("round_salt", 0)
+    else:
+        key, salt = node.kwargs.get("round_key"), node.kwargs.get("round_salt", 0)
+    return None if key is None else (key, salt)
+
+
+def stochastic_rounding_note(gm: fx.GraphModule, decisions) -> Optional[str]:
+    """The report note of a step that rounds bf16 parameters stochastically: how many, how many of them fused."""
+    fused = unfused = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (_APPLY, torch.ops.forge.wgrad_update_.default):
+            if round_args(node) is not None:
+                fused += node.target is not _APPLY
+                unfused += node.target is _APPLY
+    if not fused + unfused:
+        return None
+    counters["stochastic_rounding_fused"] += fused
+    return (f"stochastic_rounding: {fused + unfused} bf16 parameters are updated in fp32 and stored rounded "
+            f"stochastically, {fused} of them by fused updates (from the fp32 dW)")
 
 
 def fp32_activation_note(gm: fx.GraphModule) -> Optional[str]:
@@ -840,11 +876,13 @@ def _fake_values(made: list) -> None:
 def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operands=None) -> None:
     """``forge::wgrad_update_`` after ``anchor``, its dy_t / x from the matmul's operands (accumulated passes: the
     concatenated ``operands``)."""
-    weight, _, states, hparams, rule = match.apply.args
+    weight, _, states, hparams, rule = match.apply.args[:5]
+    rounding = round_args(match.apply)
+    rounding = {} if rounding is None else dict(round_key=rounding[0], round_salt=rounding[1])
     if operands is not None:
         with graph.inserting_after(anchor):
             fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
-                                        (weight, *operands, states, hparams, rule))
+                                        (weight, *operands, states, hparams, rule), rounding)
         fused.meta["forge"] = "wgrad_update"
         return
     a, b = match.mm.args
@@ -856,9 +894,9 @@ def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operan
         else:
             dy_t, x = a, b
         last = x if match.transposed else anchor
-        kwargs = {}
+        kwargs = dict(rounding)
         if match.emb is not None:
-            kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
+            kwargs.update(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
                           emb_padding_idx=match.emb.args[3])
         with graph.inserting_after(last):
             fused = graph.call_function(torch.ops.forge.wgrad_update_.default,

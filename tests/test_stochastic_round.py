@@ -1,0 +1,203 @@
+"""Stochastic rounding of bf16 weights: the spec (kernels/stochastic_round.py), and the fused update of a bf16 weight
+(forge::wgrad_update_ with round_key) on the CPU path, in Triton's interpreter and on CUDA, each against the spec.
+
+Bitwise where provable: the kernel stores the fp32 dW it consumed (grad_out) and the spec (reference_update) applied
+to that dW with the same key must give the same bf16 weight and states -- the rule's fp32 arithmetic is bitwise
+eager torch's (tests/test_wgrad_update_triton.py) and the random bits are a hash of (key, element index).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from interpreter import run_child
+from models import CorrectlyRoundedSqrt
+from forge_compile.kernels.stochastic_round import element_key, random_bits, round_key, stochastic_round_bf16
+from forge_compile.kernels.wgrad_update import reference_update, reference_wgrad_update, wgrad_update
+from forge_compile.optim import rules
+from forge_compile.optim.rule import get_rule
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _neighbours(x):
+    # the two bf16 values around each fp32 x, as fp32 (truncation toward zero, and one bf16 ulp further out)
+    b = x.view(torch.int32) & ~0xFFFF
+    return b.view(torch.float32), (b + 0x10000).view(torch.float32)
+
+
+# ---- the spec ------------------------------------------------------------------------------------------------
+
+def test_rounds_to_one_of_the_two_neighbours_and_exact_values_stay():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 7
+    y = stochastic_round_bf16(x, element_key(round_key(0, 1), 0)).float()
+    lo, hi = _neighbours(x)
+    assert ((y == lo) | (y == hi)).all()
+    both = (y == lo).float().mean().item()
+    assert 0.3 < both < 0.7          # not a deterministic rounding (either way about half the time at random x)
+    exact = x.to(torch.bfloat16).float()
+    assert torch.equal(stochastic_round_bf16(exact, 12345).float(), exact)
+
+
+def test_unbiased_where_round_to_nearest_loses_the_update():
+    # 1 + 2**-10 is a quarter ulp above 1 in bf16: round to nearest gives 1 every time, SR 1 + 2**-7 a quarter of
+    # the time, so the mean over many elements and keys is 1 + 2**-10 (binomial std ~6e-6 here)
+    v = torch.full((65536,), 1.0 + 2 ** -10)
+    assert torch.equal(v.to(torch.bfloat16).float(), torch.ones_like(v))
+    mean = torch.stack([stochastic_round_bf16(v, element_key(round_key(3, c), 7)).float() for c in range(8)]).mean()
+    assert abs(mean.item() - (1 + 2 ** -10)) < 4e-5
+    neg = stochastic_round_bf16(-v, element_key(round_key(3, 0), 7)).float().mean()
+    assert abs(neg.item() + (1 + 2 ** -10)) < 1e-4     # sign symmetric
+
+
+def test_special_values_and_keys():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0e38])
+    y = stochastic_round_bf16(x, element_key(round_key(0, 0), 0))
+    assert y[0].isnan() and y[1] == float("inf") and y[2] == -float("inf")
+    assert torch.equal(y[3:5].float().view(torch.int32), x[3:5].view(torch.int32))   # signed zeros kept
+    idx = torch.arange(4096)
+    a, b = random_bits(idx, element_key(round_key(0, 0), 0)), random_bits(idx, element_key(round_key(0, 1), 0))
+    c = random_bits(idx, element_key(round_key(0, 0), 1))
+    assert (a != b).float().mean() > 0.99 and (a != c).float().mean() > 0.99   # per step and per parameter
+    assert a.min() >= 0 and a.max() < 1 << 16
+    # the bits are near uniform: each of 16 buckets holds 1/16 of 4096 draws (+- 5 std)
+    counts = torch.bincount(a >> 12, minlength=16).float()
+    assert (counts - 256).abs().max() < 5 * 15.5
+
+
+def test_round_key_is_a_function_of_seed_and_counter_only():
+    assert round_key(5, 9) == round_key(5, 9)
+    assert len({round_key(s, c) for s in range(4) for c in range(64)}) == 256
+    assert all(0 <= element_key(round_key(0, c), s) < 2 ** 31 for c in range(16) for s in range(16))
+
+
+def test_traced_and_compiled_bits_equal_eager():
+    # the unfused path traces the spec into the step's graph, which Inductor compiles: same bits
+    x = torch.randn(33, 65, generator=torch.Generator().manual_seed(1))
+    key = torch.tensor(element_key(round_key(11, 2), 4), dtype=torch.int64)
+    eager = stochastic_round_bf16(x, key)
+    compiled = torch.compile(stochastic_round_bf16, backend="inductor", fullgraph=True)(x, key)
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+
+
+# ---- the fused update of a bf16 weight -----------------------------------------------------------------------
+
+def _case(rule_name, n, k, m, device, state_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.5).to(torch.bfloat16)
+    rule = get_rule(rule_name)
+    states = []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            states.append(torch.tensor(float(2 + seed), dtype=torch.float32))
+        else:
+            states.append((torch.rand(n, k, generator=g) * 0.01).to(state_dtype).to(device))
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    return w.to(device), dy.to(device).t(), x.to(device), states, rule
+
+
+ADAMW = rules.adamw_rule().name
+SGDM = rules.sgd_rule(momentum=True).name
+
+
+def _hparams(rule):
+    vals = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, momentum=0.9, dampening=0.0)
+    return [torch.tensor(vals[h], dtype=torch.float64) for h in rule.hparams]
+
+
+def _check_exact(rule_name, n, k, m, device, state_dtype, config=None):
+    w, dy_t, x, states, rule = _case(rule_name, n, k, m, device, state_dtype)
+    hp = _hparams(rule)
+    w0 = w.clone()
+    w_e, st_e = w.clone(), [s.clone() for s in states]
+    ekey = element_key(round_key(0, 3), 5)
+    grad = torch.full((n, k), float("nan"), device=device)
+    if config is None:
+        wgrad_update(w, dy_t, x, states, hp, rule.name, grad_out=grad, ekey=ekey)
+    else:
+        from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
+
+        launch_wgrad_update(w, dy_t, x, states, hp, rule, side_out=grad, config=config, ekey=ekey)
+    assert not grad.isnan().any()
+    ref = dy_t.double() @ x.double()
+    assert ((grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+    with (CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext()):
+        reference_update(w_e, grad, st_e, hp, rule.name, ekey)
+    assert w.dtype == torch.bfloat16 and all(s.dtype == e.dtype for s, e in zip(states, st_e))
+    assert torch.equal(w.view(torch.int16), w_e.view(torch.int16)), \
+        f"W differs in {(w.view(torch.int16) != w_e.view(torch.int16)).sum().item()} of {w.numel()} elements"
+    for s, e in zip(states, st_e):
+        assert torch.equal(s, e), f"state differs in {(s != e).sum().item()} elements"
+    assert (w != w0).float().mean() > 0.1      # the update did something
+
+
+STATE_DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM], ids=["adamw", "sgdm"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(67, 45, 31), (128, 64, 96)], ids=lambda s: "x".join(map(str, s)))
+def test_cpu_path_exact(rule_name, state_dtype, shape):
+    _check_exact(rule_name, *shape, "cpu", state_dtype)
+
+
+def test_cpu_path_blocks_use_their_element_indices():
+    # a weight larger than one CPU block (kernels/wgrad_update_cpu.py): block-local indices would repeat the bits
+    from forge_compile.kernels.wgrad_update_cpu import cpu_block_shape
+
+    n, k = 1100, 1024
+    assert cpu_block_shape(n, k)[0] < n
+    _check_exact(SGDM, n, k, 8, "cpu", torch.bfloat16)
+
+
+def test_fp32_weight_with_key_and_bf16_weight_without_refused():
+    w, dy_t, x, states, rule = _case(SGDM, 8, 8, 4, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="stochastically rounded"):
+        wgrad_update(w, dy_t, x, states, _hparams(rule), rule.name)
+    with pytest.raises(ValueError, match="fp32 weights take no key"):
+        wgrad_update(w.float(), dy_t, x, states, _hparams(rule), rule.name, ekey=1)
+
+
+def test_reference_against_torch_optim_in_fp32_then_rounded():
+    # the spec is torch.optim's update on fp32 copies of the weight and states, then the weight rounded: two
+    # independent computations of the same fp32 value must round identically (same key, same element)
+    w, dy_t, x, states, rule = _case(ADAMW, 40, 24, 16, "cpu", torch.float32)
+    p = torch.nn.Parameter(w.float().clone())
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, foreach=False)
+    p.grad = dy_t.float() @ x.float()
+    opt.step()       # step 1 of torch.optim: the rule's step state starts at 0 there
+    st = [torch.tensor(0.0), torch.zeros(40, 24), torch.zeros(40, 24)]
+    ekey = element_key(round_key(1, 1), 0)
+    with CorrectlyRoundedSqrt():
+        reference_wgrad_update(w, dy_t, x, st, _hparams(rule), rule.name, ekey=ekey)
+    assert torch.equal(w.view(torch.int16), stochastic_round_bf16(p.detach(), ekey).view(torch.int16))
+
+
+# ---- Triton's interpreter ---------------------------------------------------------------------------------------
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    run_child(__file__)
+
+
+@pytest.mark.parametrize("config", ["interp", "interp_e2", "interp_e4", "interp_pf", "interp_tma", "interp_p1e2",
+                                    "interp_p2e4"])
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM], ids=["adamw", "sgdm"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+def test_interpreter_kernel_exact(interpret, config, rule_name, state_dtype):
+    shape = (67, 45, 31) if config in ("interp", "interp_pf", "interp_tma") else (64, 128, 64)
+    _check_exact(rule_name, *shape, "cpu", state_dtype, config=config)
+
+
+# ---- CUDA --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM], ids=["adamw", "sgdm"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(67, 45, 31), (1024, 512, 256), (4096, 4096, 1024)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cuda_kernel_exact(rule_name, state_dtype, shape):
+    _check_exact(rule_name, *shape, "cuda", state_dtype)
