@@ -211,11 +211,12 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
                 f"forge refused AdamW(fused=True), using fused=False ({e})")
 
 
-def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=1):
+def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=1, stochastic_rounding=False):
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route;
     ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route;
     ``accum``: the batch split into that many micro-batches, forward + backward each (loss / accum), the gradients
-    accumulated, then one update -- in every route."""
+    accumulated, then one update -- in every route; ``stochastic_rounding``: the compile_train_step routes round bf16
+    weights stochastically (--bf16-weights)."""
     accum = max(1, int(accum or 1))
     io = dict(inductor_options or {})
     params = list(wl.parameters())
@@ -241,7 +242,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
         return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
                                         cuda_graphs=route not in ("step", "step_cast"),
                                         recompute_weight_copies=route == "step_graphs_recompute",
-                                        cast_weights_in_update=route.endswith("_cast")), None
+                                        cast_weights_in_update=route.endswith("_cast"),
+                                        stochastic_rounding=stochastic_rounding), None
 
     if route in ("backend", "backend_graphs"):
         import forge_compile  # noqa: F401  (registers backend="forge")
@@ -389,12 +391,13 @@ def run_worker(cfg: dict, res: dict) -> dict:
     device = torch.device(cfg["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    bf16 = device.type == "cuda" and not cfg["fp32"]
+    bf16 = device.type == "cuda" and not cfg["fp32"] and not cfg.get("bf16_weights")
     if cfg.get("tf32"):
         # fp32 matmuls in TF32 for every route alike (cuBLAS's and forge's wgrad follow the same switch)
         torch.set_float32_matmul_precision("high")
     res.update(route=route, mb=mb, role=cfg["role"], tokens_per_step=mb * cfg["seq_len"], device=str(device),
-               precision="bf16 autocast" if bf16 else "fp32 (TF32 matmuls)" if cfg.get("tf32") else "fp32",
+               precision=("bf16 weights" if cfg.get("bf16_weights") else "bf16 autocast" if bf16
+                          else "fp32 (TF32 matmuls)" if cfg.get("tf32") else "fp32"),
                torch=torch.__version__)
     if device.type == "cuda":
         res["gpu"] = torch.cuda.get_device_name(device)
@@ -404,6 +407,8 @@ def run_worker(cfg: dict, res: dict) -> dict:
         torch.manual_seed(cfg["seed"])
         model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], cfg["vocab"],
                       tied=cfg.get("tied", False), checkpoint=cfg.get("checkpoint", False))
+    if cfg.get("bf16_weights"):
+        model.to(torch.bfloat16)     # no fp32 master weights: bf16 parameters, and AdamW states created bf16
     model.train()
     wl = WithLoss(model, cfg["vocab"])
     pnames = [n for n, _ in model.named_parameters()]
@@ -419,7 +424,7 @@ def run_worker(cfg: dict, res: dict) -> dict:
     autocast = ((lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if bf16
                 else contextlib.nullcontext)
     step, probe = make_step(route, wl, opt, autocast, cfg.get("inductor_options"), cfg.get("clip_grad_norm"),
-                            cfg.get("grad_accum") or 1)
+                            cfg.get("grad_accum") or 1, bool(cfg.get("bf16_weights")))
 
     # Correctness steps: one fixed batch, the same in every route (CPU generator, then moved).
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
@@ -812,7 +817,9 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
             run_ms.setdefault((r["route"], r["mb"]), []).append(r["median_ms"])
     med = lambda key: statistics.median(run_ms[key]) if run_ms.get(key) else None
     # TF32 matmuls (10-bit mantissa inputs) round like bf16's: the bf16 tolerance
-    tol = LOSS_ATOL["bf16" if cfg["device"].startswith("cuda") and (not cfg["fp32"] or cfg.get("tf32")) else "fp32"]
+    # bf16 weights: the routes round their updates differently (stochastically / to nearest): the bf16 tolerance
+    tol = LOSS_ATOL["bf16" if (cfg["device"].startswith("cuda") and (not cfg["fp32"] or cfg.get("tf32")))
+                    or cfg.get("bf16_weights") else "fp32"]
     rows = []
     for (route, mb), r in sorted(main.items(), key=lambda kv: (kv[0][1], ROUTES.index(kv[0][0]))):
         base = main.get(("baseline", mb))
@@ -1077,6 +1084,10 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="bf16 parameters and AdamW states, no autocast, no fp32 master weights: the baseline is "
+                        "torch.optim's bf16 AdamW (round to nearest), the compile_train_step routes round stochastically "
+                        "(stochastic_rounding=True)")
     p.add_argument("--tf32", action="store_true",
                    help="with --fp32: torch.set_float32_matmul_precision('high') in every run (TF32 matmuls)")
     p.add_argument("--budget-gib", type=float, help="memory budget; default: anchored on the baseline (below)")
@@ -1137,6 +1148,7 @@ def main(argv=None):
     if args.tf32 and not args.fp32:
         raise SystemExit("--tf32 goes with --fp32 (under bf16 autocast the matmuls are bf16)")
     cfg = dict(device=args.device, fp32=bool(args.fp32), tf32=bool(args.tf32), tied=bool(args.tied),
+               bf16_weights=bool(args.bf16_weights),
                checkpoint=bool(args.checkpoint),
                d_model=args.d_model, layers=args.layers, heads=args.heads, d_ff=args.d_ff, vocab=args.vocab, seq_len=args.seq_len, lr=args.lr,
                seed=args.seed, check_steps=args.check_steps, warmup=args.warmup, iters=args.iters,
@@ -1155,9 +1167,10 @@ def main(argv=None):
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     header = (f"bench_train_step  {stamp}  device {args.device} ({{gpu}})  torch {torch.__version__}\n"
               f"Llama d_model {args.d_model}, {args.layers} layers, {args.heads} heads, d_ff {args.d_ff}, vocab {args.vocab}, seq {args.seq_len}; "
-              f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}"
-              f"{' (TF32 matmuls)' if args.tf32 else ''}, fp32 master "
-              f"weights, AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
+              + ("bf16 weights and states, no autocast (forge: stochastic rounding)" if args.bf16_weights else
+                 f"{'fp32' if args.fp32 or not args.device.startswith('cuda') else 'bf16 autocast'}"
+                 f"{' (TF32 matmuls)' if args.tf32 else ''}, fp32 master weights")
+              + f", AdamW lr {args.lr:g}; routes {', '.join(routes)}; micro-batches {mbs}"
               + ("; tied lm_head" if args.tied else "")
               + ("; activation checkpointing per layer" if args.checkpoint else "")
               + (f"; clip_grad_norm_ {args.clip_grad_norm:g}" if args.clip_grad_norm else "")

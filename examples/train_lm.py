@@ -300,12 +300,12 @@ def lm_loss(logits, y):
 
 
 def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_weight_copies=False,
-                    cast_weights_in_update=False, clip_grad_norm=None, grad_accum=1):
+                    cast_weights_in_update=False, clip_grad_norm=None, grad_accum=1, stochastic_rounding=False):
     """A callable (x, y) -> loss tensor that also updates the parameters, for the chosen route (``cuda_graphs``:
     route step replayed as one CUDA graph; ``recompute_weight_copies``, ``cast_weights_in_update``: see
     forge.compile_train_step; ``clip_grad_norm``: clip_grad_norm_(model.parameters(), it) before opt.step();
     ``grad_accum``: the batch split into that many passes, forward + backward each, the gradients accumulated
-    before the one update)."""
+    before the one update; ``stochastic_rounding``: route step rounds the bf16 weights stochastically)."""
     def passes(x, y):
         return zip(x.chunk(grad_accum), y.chunk(grad_accum))
 
@@ -315,7 +315,8 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
 
     if route == "step":
         @forge.compile_train_step(cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
-                                  cast_weights_in_update=cast_weights_in_update)
+                                  cast_weights_in_update=cast_weights_in_update,
+                                  stochastic_rounding=stochastic_rounding)
         def train_step(x, y):
             total = 0.0
             for xi, yi in passes(x, y):   # traced per pass: each weight's update reads all passes' dY and X
@@ -472,6 +473,12 @@ def train(args):
 
     train_data, val_data, desc = load_data(args)
     model = build_model(args).to(device)
+    if args.bf16_weights:
+        # no fp32 master weights: 2-byte weights and AdamW states; route step rounds them stochastically
+        if args.route == "backend":
+            raise SystemExit("--bf16-weights needs --route step (stochastic rounding) or off (torch.optim's bf16 "
+                             "arithmetic, round to nearest)")
+        model = model.to(torch.bfloat16)
     opt = make_optimizer(model, args)
     sched = make_scheduler(opt, args)
     gen = torch.Generator().manual_seed(args.seed + rank)     # each rank its own batches
@@ -500,10 +507,14 @@ def train(args):
     log.info("data: %s (%.2f MB train, %.2f MB val)", desc, len(train_data) / 1e6, len(val_data) / 1e6)
     log.info("model: %s %s, %.2fM parameters; route %s on %s, %s; %d steps x %d tokens",
              model_name(args), args.size, n_params / 1e6, args.route, device,
-             "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
+             "bf16 weights" if args.bf16_weights else "bf16 autocast" if use_bf16 else "fp32", args.steps, tokens_per_step)
 
     train_step = make_train_step(args.route, trained, opt, autocast, args.cuda_graphs, args.recompute_weight_copies,
-                                 args.cast_weights_in_update, args.clip_grad_norm, args.grad_accum)
+                                 args.cast_weights_in_update, args.clip_grad_norm, args.grad_accum,
+                                 args.bf16_weights)
+    if args.bf16_weights and args.route == "step":
+        # the rounding's random bits follow the step's call count: a resumed run goes on from its step
+        train_step.round_calls = start
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -558,7 +569,7 @@ def train(args):
         "torch": torch.__version__, "model": model_name(args), "size": args.size, "n_params": n_params,
         "config": {k: getattr(args, k) for k in ("d_model", "n_layers", "n_heads", "d_ff", "seq_len",
                                                  "batch_size", "lr", "steps", "fused_adamw", "seed")},
-        "dtype": "bf16 autocast" if use_bf16 else "fp32",
+        "dtype": "bf16 weights" if args.bf16_weights else "bf16 autocast" if use_bf16 else "fp32",
         "losses": losses, "step_times_s": step_times,
         "final_train_loss": losses[-1] if losses else float("nan"),
         "val_loss": val_loss, "val_history": val_history, "unigram_entropy": unigram_entropy(train_data),
@@ -716,6 +727,10 @@ def parse_args(argv):
                         "(one cast kernel less per weight and step; the copies stay between steps)")
     p.add_argument("--clip-grad-norm", type=float, metavar="MAX",
                    help="clip_grad_norm_(model.parameters(), MAX) before each opt.step() (routes step and off)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="bf16 parameters and AdamW states, no fp32 master weights; route step rounds every update "
+                        "stochastically (compile_train_step(stochastic_rounding=True)), route off is torch.optim's bf16 "
+                        "arithmetic (round to nearest)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="split each batch into K passes, backward() each, one opt.step() (routes step and off; "
                         "route step fuses a weight where all passes' dY and X are at most half its fp32 dW)")

@@ -998,7 +998,9 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     fraction), so that updates smaller than half a bf16 ulp still move the weight on average; its optimizer states
     stay in the dtype torch.optim gave them (bf16 for bf16 parameters), rounded to nearest. The random bits are a
     hash of (seed, call count, parameter index, element index): reproducible from the seed, equal on every
-    data-parallel rank, independent of torch's generators. Without the option bf16 parameters are updated by
+    data-parallel rank, independent of torch's generators (the step's ``round_calls`` is that count: a run resumed
+    from a checkpoint sets it to the step it resumes at to draw the bits the uninterrupted run would have). Without
+    the option bf16 parameters are updated by
     torch.optim's arithmetic as in eager (and left unfused). fp32 and fp16 parameters are not affected. Steps that
     round this way are not replayed as CUDA graphs (``cuda_graphs`` then runs them as without it)."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,

@@ -80,6 +80,25 @@ def test_clip_grad_norm_step_matches_off(tmp_path):
     assert step["fusion_report"].count("clip_grad_norm_") >= 8, step["fusion_report"]
 
 
+def test_bf16_weights_step_rounds_stochastically_and_resumes(tmp_path):
+    # --bf16-weights: bf16 parameters and states; route step fuses the projections with stochastic rounding, route off
+    # is torch.optim's bf16 arithmetic: the same first loss (nothing updated yet), both train
+    step = run("--route", "step", "--steps", "3", "--bf16-weights")
+    off = run("--route", "off", "--steps", "3", "--bf16-weights")
+    _check_result(step, 3)
+    assert step["dtype"] == "bf16 weights"
+    # before any update: two compilations of a bf16 forward (one whole-step graph, one torch.compile'd model) round
+    # their intermediates differently (2e-6 relative seen); after it SR and round to nearest part ways
+    assert step["losses"][0] == pytest.approx(off["losses"][0], rel=1e-4)
+    assert "stochastic_rounding:" in step["fusion_report"], step["fusion_report"]
+    assert step["fusion_report"].count("yes") >= 6, step["fusion_report"]
+    # a resumed run draws the bits an uninterrupted one draws at the same steps
+    ck = str(tmp_path / "ck.pt")
+    run("--route", "step", "--steps", "3", "--stop-after", "1", "--save", ck, "--bf16-weights")
+    resumed = run("--route", "step", "--steps", "3", "--resume", ck, "--bf16-weights")
+    assert resumed["losses"] == step["losses"]
+
+
 def test_grad_accum_step_matches_off():
     # --grad-accum 2: the batch as 2 passes, backward() each, one update; route step fuses every weight whose passes'
     # dY and X are at most half its fp32 dW (2 x 16 tokens against the 128-wide layers) and trains as route off
