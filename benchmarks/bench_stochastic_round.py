@@ -116,15 +116,51 @@ def time_case(n, k, m, rep):
     return out
 
 
+SWEEP_CONFIGS = ["l64x256e4p2", "l64x256e4p1", "l64x256e4", "l64x256", "m128e4", "t128e4", "t128x256e4", "t64x128",
+                 "t64m128", "t64w8s2", "s64m128"]
+
+
+def sweep(n, k, tokens, rep):
+    """Every GPU config of the Triton template on the bf16 SR update (TMA configs take the pointer epilogue here):
+    ms, registers, spills, and the bitwise check of each config."""
+    from triton.testing import do_bench
+    from forge_compile.kernels.wgrad_update_triton import bound_launch, pick_config
+
+    rule = rules.adamw_rule()
+    ekey = element_key(round_key(0, 1), 0)
+    for m in tokens:
+        w, mm, v, dy_t, x = _inputs(n, k, m, torch.bfloat16)
+        cells = []
+        for c in SWEEP_CONFIGS:
+            try:
+                st = [torch.tensor(3.0), mm, v]
+                ref_w, ref_st = w.clone(), [st[0].clone(), mm.clone(), v.clone()]
+                grad = torch.empty(n, k, device="cuda")
+                fn = bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=c, ekey=ekey)
+                ck = fn()
+                reference_update(ref_w, grad, ref_st, _hp(), rule.name, ekey)
+                ok = torch.equal(w.view(torch.int16), ref_w.view(torch.int16)) and torch.equal(mm, ref_st[1])
+                fn = bound_launch(w, dy_t, x, st, _hp(), rule, config=c, ekey=ekey)
+                ms = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+                cells.append(f"{c} {ms:.3f}{'' if ok else ' WRONG'} r{ck.n_regs}s{ck.n_spills}")
+            except Exception as e:  # noqa: BLE001 -- a config that does not build here
+                cells.append(f"{c} failed ({type(e).__name__})")
+        print(f"{n}x{k} M={m} (picked {pick_config(n, k, m, False)}): " + "; ".join(cells), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default="4096x4096,14336x4096")
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--sweep", action="store_true", help="every Triton config on the first shape, then stop")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.sweep:
+        sweep(*shapes[0], tokens, args.rep)
+        return
     rows = []
     for n, k in shapes:
         for m in tokens:

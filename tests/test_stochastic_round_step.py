@@ -237,3 +237,20 @@ def test_fp32_parameters_unaffected():
         s2(x)
     assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
     assert not any("stochastic_rounding" in n for n in s1.last_report.notes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_large_token_counts_round_unfused():
+    # above SR_FUSED_MAX_TOKENS the fused bf16 update (Triton kernel) is slower than cuBLAS + the rounded update:
+    # left unfused with the reason, rounded the same way
+    from forge_compile.passes.wgrad_update_pattern import SR_FUSED_MAX_TOKENS
+
+    model = nn.Linear(64, 64, bias=False).to("cuda", torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step = forge.compile_train_step(_linear_step(model, opt), stochastic_rounding=True)
+    for m, fused in ((SR_FUSED_MAX_TOKENS, True), (2 * SR_FUSED_MAX_TOKENS, False)):
+        x = torch.randn(m, 64, device="cuda").to(torch.bfloat16)
+        rep = forge.explain(step, x, torch.randn(m, 64, device="cuda"))
+        assert rep.rows[0].fused == fused, rep
+        if not fused:
+            assert f"at {m} tokens" in rep.rows[0].reason and "rounded stochastically" in rep.rows[0].reason

@@ -429,9 +429,8 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     if w.dtype not in (torch.float32, torch.bfloat16):
         return False, f"parameter dtype {w.dtype} (fused updates need fp32 master weights, or bf16 ones rounded " \
                       "stochastically)", None
-    if rounded and match.embedding:
-        return False, ("stochastic rounding of an embedding weight is not fused yet (updated unfused, rounded "
-                       "stochastically)"), None
+    if rounded and (why := _rounding_unsupported(match, w)):
+        return False, why, None
     if not w.is_contiguous():
         return False, "parameter is not contiguous", None
     if w.device.type not in ("cpu", "cuda"):
@@ -502,6 +501,31 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
                  + ([match.scale] if match.scale is not None else []), key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
+
+
+# Tokens (over passes and ranks) above which a bf16 weight's stochastically rounded update stays unfused on CUDA: the
+# fused bf16 update is the Triton kernel (the Gluon kernel takes fp32 weights only), whose GEMM is the slow part at
+# large M -- on an H100 0.84-0.99x torch's bf16 mm + fused AdamW at M <= 2048, 0.43-0.52x at M = 4096 / 8192
+# (benchmarks/RESULTS.md "bf16 weights with stochastic rounding"); unfused, cuBLAS's bf16 dW feeds the same rounded
+# update compiled by Inductor.
+SR_FUSED_MAX_TOKENS = 2048
+
+
+def _rounding_unsupported(match: _Match, w) -> Optional[str]:
+    """Why a bf16 weight rounded stochastically is left unfused, or None."""
+    if match.embedding:
+        return "stochastic rounding of an embedding weight is not fused yet (updated unfused, rounded stochastically)"
+    if w.device.type != "cuda":
+        return None
+    a = [_meta(m.args[0]) for m, _ in match.pairs]
+    if any(v is None or v.dim() != 2 for v in a):
+        return None
+    tokens = sum(v.shape[1] for v in a) * (match.dp[1] if match.dp is not None else 1)
+    if tokens > SR_FUSED_MAX_TOKENS:
+        return (f"bf16 weight at {tokens} tokens: the fused stochastically rounded update (Triton kernel) is slower "
+                f"than cuBLAS + the rounded update above {SR_FUSED_MAX_TOKENS} tokens (~0.5x on an H100, "
+                "benchmarks/RESULTS.md); updated unfused, rounded stochastically")
+    return None
 
 
 def _accumulation_unsupported(match: _Match, w) -> Optional[str]:
