@@ -498,8 +498,8 @@ return [v13]""")
             loss = F.mse_loss(model(x).float(), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
         g, rep = _rewritten(step, torch.randn(2, 4).to(torch.bfloat16), torch.randn(2, 3), stochastic_rounding=True)
         self.assertExpectedInline(_fused_lines(g), """\
-v14 = forge.wgrad_update_(in2, v12, v13, [in6], [in14, in15, in16], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', round_key=in20, round_salt=2)
-v19 = forge.wgrad_update_(in0, v18, in21, [in4], [in8, in9, in10], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', round_key=in20, round_salt=0)
+v14 = forge.wgrad_update_rounded_(in2, v12, v13, [in6], [in14, in15, in16], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 2)
+v19 = forge.wgrad_update_rounded_(in0, v18, in21, [in4], [in8, in9, in10], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 0)
 v22 = forge.apply_rule_(in1, v21, [in5], [in11, in12, in13], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 1)
 v23 = forge.apply_rule_(in3, v16, [in7], [in17, in18, in19], 'sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False]', in20, 3)
 return [v6]""")

@@ -254,3 +254,29 @@ def test_cuda_large_token_counts_round_unfused():
         assert rep.rows[0].fused == fused, rep
         if not fused:
             assert f"at {m} tokens" in rep.rows[0].reason and "rounded stochastically" in rep.rows[0].reason
+
+
+def test_cpp_wrapper_rounds_the_same():
+    # Inductor's C++ wrapper calls the rounded update op (forge::wgrad_update_rounded_) and the traced rounding alike
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    m2 = copy.deepcopy(m1)
+
+    def make(m, options):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(x, y):
+            loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return forge.compile_train_step(step, stochastic_rounding=True, options=options)
+
+    s1, s2 = make(m1, {"cpp_wrapper": True}), make(m2, None)
+    for _ in range(3):
+        x, y = torch.randn(8, 16).to(torch.bfloat16), torch.randn(8, 8)
+        s1(x, y)
+        s2(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    assert sum(r.fused for r in s1.last_report.rows) == 2

@@ -22,7 +22,8 @@ Arguments:
   ``aten.embedding_dense_backward(grad_output, indices, N, padding_idx, False)``, read row by row from compact rows
   (kernels/embedding_update.compact_rows), never dense; the op's arguments emb_grad_output / emb_indices /
   emb_padding_idx;
-- round_key (optional) 0-dim int64 CPU tensor, round_salt int: stochastic rounding of a bf16 weight
+``forge::wgrad_update_rounded_`` takes, after ``rule``, round_key (0-dim int64 CPU tensor) and round_salt (int), and no
+cast_out: stochastic rounding of a bf16 weight
   (compile_train_step(stochastic_rounding=...)): the weight (bf16) and its tensor states (bf16 or fp32) are read
   into fp32, the rule runs there on the fp32 dW, the new weight is stored rounded stochastically with the bits of
   ``stochastic_round.element_key(round_key, round_salt)`` (kernels/stochastic_round.py), bf16 states round to
@@ -166,10 +167,9 @@ _LIB = torch.library.Library("forge", "FRAGMENT")
 # moment (bias corrections, lr), so a CUDA graph that captured it would replay step 1's values forever. Inductor's
 # cudagraphs then leave the op out (graph_partition: a partition boundary; otherwise the graph is not captured).
 _EMB_ARGS = "Tensor? emb_grad_output=None, Tensor? emb_indices=None, int emb_padding_idx=-1"
-_ROUND_ARGS = "Tensor? round_key=None, int round_salt=0"
 _LIB.define(
     "wgrad_update_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
-    f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}, {_ROUND_ARGS}) -> ()",
+    f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}) -> ()",
     tags=_compat.cudagraph_unsafe_tags(),
 )
 
@@ -179,9 +179,9 @@ def _emb(grad_output, indices, padding_idx):
 
 
 def wgrad_update_(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
-                  emb_padding_idx=-1, round_key=None, round_salt=0):
+                  emb_padding_idx=-1):
     wgrad_update(weight, dy_t, x, states, hparams, rule, cast_out=cast_out,
-                 emb=_emb(emb_grad_output, emb_indices, emb_padding_idx), ekey=_ekey(round_key, round_salt))
+                 emb=_emb(emb_grad_output, emb_indices, emb_padding_idx))
     torch.autograd.graph.increment_version([weight, *states] + ([cast_out] if cast_out is not None else []))
 
 
@@ -190,7 +190,30 @@ _LIB.impl("wgrad_update_", wgrad_update_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("forge::wgrad_update_", lib=_LIB)
 def _(weight, dy_t, x, states, hparams, rule, cast_out=None, emb_grad_output=None, emb_indices=None,
-      emb_padding_idx=-1, round_key=None, round_salt=0):
+      emb_padding_idx=-1):
+    return None
+
+
+# A bf16 weight's stochastically rounded update: its own op, not optional arguments of wgrad_update_ (with them
+# Inductor's cpp_wrapper code for wgrad_update_ crashed -- SIGSEGV in the backend route's backward, torch 2.13).
+_LIB.define(
+    "wgrad_update_rounded_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor[] hparams, "
+    f"str rule, Tensor round_key, int round_salt, {_EMB_ARGS}) -> ()")
+
+
+def wgrad_update_rounded_(weight, dy_t, x, states, hparams, rule, round_key, round_salt, emb_grad_output=None,
+                          emb_indices=None, emb_padding_idx=-1):
+    wgrad_update(weight, dy_t, x, states, hparams, rule, emb=_emb(emb_grad_output, emb_indices, emb_padding_idx),
+                 ekey=_ekey(round_key, round_salt))
+    torch.autograd.graph.increment_version([weight, *states])
+
+
+_LIB.impl("wgrad_update_rounded_", wgrad_update_rounded_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_rounded_", lib=_LIB)
+def _(weight, dy_t, x, states, hparams, rule, round_key, round_salt, emb_grad_output=None, emb_indices=None,
+      emb_padding_idx=-1):
     return None
 
 

@@ -32,6 +32,7 @@ __all__ = ["FusionDecision", "rewrite_wgrad_updates", "should_fuse_wgrad_update"
 counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
+_ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
 
 # Ops that only re-label the gradient on its way from the mm to the update.
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -694,13 +695,15 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
 
 
 def round_args(node: fx.Node) -> Optional[tuple]:
-    """(round_key node, salt) of an ``apply_rule_`` / ``wgrad_update_`` that rounds a bf16 parameter stochastically
-    (compile_train_step(stochastic_rounding=...)), or None."""
+    """(round_key node, salt) of an ``apply_rule_`` / ``wgrad_update_rounded_`` that rounds a bf16 parameter
+    stochastically (compile_train_step(stochastic_rounding=...)), or None."""
     if node.target is _APPLY:
         key = node.args[5] if len(node.args) > 5 else node.kwargs.get("round_key")
         salt = node.args[6] if len(node.args) > 6 else node.kwargs.get("round_salt", 0)
+    elif node.target is _ROUNDED:
+        key, salt = node.args[6], node.args[7]
     else:
-        key, salt = node.kwargs.get("round_key"), node.kwargs.get("round_salt", 0)
+        return None
     return None if key is None else (key, salt)
 
 
@@ -708,7 +711,7 @@ def stochastic_rounding_note(gm: fx.GraphModule, decisions) -> Optional[str]:
     """The report note of a step that rounds bf16 parameters stochastically: how many, how many of them fused."""
     fused = unfused = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (_APPLY, torch.ops.forge.wgrad_update_.default):
+        if node.op == "call_function" and node.target in (_APPLY, _ROUNDED):
             if round_args(node) is not None:
                 fused += node.target is not _APPLY
                 unfused += node.target is _APPLY
@@ -901,12 +904,13 @@ def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operan
     """``forge::wgrad_update_`` after ``anchor``, its dy_t / x from the matmul's operands (accumulated passes: the
     concatenated ``operands``)."""
     weight, _, states, hparams, rule = match.apply.args[:5]
+    # a bf16 weight rounded stochastically: forge::wgrad_update_rounded_, its round key and salt after the rule
     rounding = round_args(match.apply)
-    rounding = {} if rounding is None else dict(round_key=rounding[0], round_salt=rounding[1])
+    op = torch.ops.forge.wgrad_update_.default if rounding is None else _ROUNDED
+    rounding = () if rounding is None else tuple(rounding)
     if operands is not None:
         with graph.inserting_after(anchor):
-            fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
-                                        (weight, *operands, states, hparams, rule), rounding)
+            fused = graph.call_function(op, (weight, *operands, states, hparams, rule, *rounding))
         fused.meta["forge"] = "wgrad_update"
         return
     a, b = match.mm.args
@@ -918,13 +922,12 @@ def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operan
         else:
             dy_t, x = a, b
         last = x if match.transposed else anchor
-        kwargs = dict(rounding)
+        kwargs = {}
         if match.emb is not None:
-            kwargs.update(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
+            kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
                           emb_padding_idx=match.emb.args[3])
         with graph.inserting_after(last):
-            fused = graph.call_function(torch.ops.forge.wgrad_update_.default,
-                                        (weight, dy_t, x, states, hparams, rule), kwargs)
+            fused = graph.call_function(op, (weight, dy_t, x, states, hparams, rule, *rounding), kwargs)
     for n in (dy_t, x, fused):
         if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
             n.meta["forge"] = "wgrad_update"
