@@ -67,8 +67,41 @@ def inductor_config_for_forge(free_at_last_use: bool = False):
     patches = dict(reorder_for_locality=False)
     if free_at_last_use:
         patches["allow_buffer_reuse"] = False
+    if config.post_grad_custom_post_pass is None:
+        patches["post_grad_custom_post_pass"] = _forge_ops_key_pass()
     with config.patch(**patches):
         yield
+
+
+def forge_op_schemas() -> str:
+    """The schemas of every registered forge:: op, one per line."""
+    return "\n".join(sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("forge::")))
+
+
+_KEY_PASS: list = []
+
+
+def _forge_ops_key_pass():
+    """A no-op post-grad pass whose uuid -- part of Inductor's FX graph cache key -- is a hash of forge's op
+    schemas: a cached graph calls forge's ops by position, so one compiled against other schemas (an older
+    forge_compile) must not be loaded (it called wgrad_update_ with 12 arguments after a schema change, stop 35).
+    A pass of the user's own (Inductor option ``post_grad_custom_post_pass``) is left in place instead."""
+    if not _KEY_PASS:
+        import hashlib
+
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        digest = hashlib.sha256(forge_op_schemas().encode()).hexdigest()
+
+        class ForgeOpsKey(CustomGraphPass):
+            def __call__(self, graph):
+                return None
+
+            def uuid(self):
+                return f"forge-ops-{digest}"
+
+        _KEY_PASS.append(ForgeOpsKey())
+    return _KEY_PASS[0]
 
 
 def reinplace_missed_bytes() -> int:

@@ -989,3 +989,20 @@ def test_cpu_fp32_step_has_no_fp32_activation_note():
 
     step(torch.randn(8, 16), torch.randn(8, 8))
     assert step.last_report.fused and not any(n.startswith("fp32 activations") for n in step.last_report.notes)
+
+
+def test_inductor_cache_key_holds_forge_op_schemas():
+    # a graph cached by Inductor calls forge's ops by position: its cache key must change with their schemas (a
+    # stale graph called wgrad_update_ with the arguments of another schema, stop 35); a user's own pass stays
+    from torch._inductor import config
+    from forge_compile import _compat
+
+    schemas = _compat.forge_op_schemas()
+    assert "forge::wgrad_update_(" in schemas and "forge::wgrad_update_rounded_(" in schemas
+    with _compat.inductor_config_for_forge():
+        key_pass = config.post_grad_custom_post_pass
+        import hashlib
+        assert key_pass.uuid() == "forge-ops-" + hashlib.sha256(schemas.encode()).hexdigest()
+    mine = _compat._forge_ops_key_pass().__class__()
+    with config.patch(post_grad_custom_post_pass=mine), _compat.inductor_config_for_forge():
+        assert config.post_grad_custom_post_pass is mine
