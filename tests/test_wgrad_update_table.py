@@ -76,7 +76,7 @@ def test_triton_table_source_differs_only_in_how_scalars_arrive(rule):
     plain, table = render_kernel_source(ep), render_kernel_source(ep, table=True)
     n = ep.n_kernel_scalars
     params = "".join(f"c{i}, " for i in range(n))
-    sig = f"W, DYT, X, {''.join(s.upper() + ', ' for s in ep.tensor_inputs[2:])}GOUT, EROWS, EPOS,\n    "
+    sig = f"W, DYT, X, {''.join(s.upper() + ', ' for s in ep.tensor_inputs[2:])}GOUT, EROWS, EPOS, EKEY,\n    "
     assert plain.count(sig + params + "N, K, M,") == 1
     loads = "".join(f"    c{i} = tl.load(SCAL + {i})\n" for i in range(n))
     expect = plain.replace(sig + params + "N, K, M,", sig + "SCAL, N, K, M,").replace(
