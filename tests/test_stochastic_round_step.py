@@ -35,6 +35,26 @@ def _linear_step(model, opt):
     return step
 
 
+def _mse_step(model, opt):
+    def step(x, y):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def _lm_step(model, opt):
+    def step(x, y):
+        loss = lm_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 
 
@@ -90,14 +110,7 @@ def _regression(route, steps=60, lr=2e-4, seed=0):
     if route != "fp32":
         model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = _mse_step(model, opt)
     if route == "sr":
         step = forge.compile_train_step(step, stochastic_rounding=True)
     elif route == "forge_rne":
@@ -133,15 +146,7 @@ def test_same_seed_same_weights_other_seed_other_weights():
         torch.manual_seed(0)
         model = TinyLM().to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(x, y):
-            loss = lm_loss(model(x).float(), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = forge.compile_train_step(step, stochastic_rounding=seed)
+        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=seed)
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
             x = torch.randint(0, 40, (2, 8), generator=g)
@@ -168,15 +173,7 @@ def test_fused_and_unfused_rounding_agree_in_distribution(device):
         torch.manual_seed(0)
         model = TinyLM().to(device, torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-
-        def step(x, y):
-            loss = lm_loss(model(x).float(), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        step = forge.compile_train_step(step, stochastic_rounding=True, fuse=fuse)
+        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=True, fuse=fuse)
         g = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(4):
@@ -263,15 +260,8 @@ def test_cpp_wrapper_rounds_the_same():
     m2 = copy.deepcopy(m1)
 
     def make(m, options):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-        def step(x, y):
-            loss = F.mse_loss(m(x).float(), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return forge.compile_train_step(step, stochastic_rounding=True, options=options)
+        return forge.compile_train_step(_mse_step(m, torch.optim.AdamW(m.parameters(), lr=1e-3)),
+                                        stochastic_rounding=True, options=options)
 
     s1, s2 = make(m1, {"cpp_wrapper": True}), make(m2, None)
     for _ in range(3):

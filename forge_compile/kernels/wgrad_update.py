@@ -39,7 +39,7 @@ import torch
 
 from .. import _compat
 from ..optim.rule import get_rule
-from .stochastic_round import element_key, stochastic_round_bf16
+from .stochastic_round import element_key
 from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,8 @@ def reference_update(weight, grad, states, hparams, rule: str, ekey=None) -> Non
     with torch.no_grad():
         if ekey is None:
             get_rule(rule).apply(weight, grad, list(states), list(hparams))
-            return
-        rule_ = get_rule(rule)
-        ins = [s if rule_.is_scalar_state(i) else s.float() for i, s in enumerate(states)]
-        out = rule_.fn(weight.float(), grad, *ins, *hparams)
-        weight.copy_(stochastic_round_bf16(out[0], ekey))
-        for s, new in zip(states, out[1:]):
-            s.copy_(new)
+        else:
+            get_rule(rule).apply_rounded(weight, grad, states, hparams, ekey)
 
 
 def wgrad_update(weight, dy_t, x, states, hparams, rule: str, grad_out=None, cast_out=None, emb=None,

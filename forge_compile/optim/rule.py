@@ -49,6 +49,18 @@ class Rule:
         for s, new in zip(states, out[1:]):
             s.copy_(new)
 
+    def apply_rounded(self, param, grad, states, hparams, ekey):
+        """The rule on fp32 copies of a bf16 ``param``, ``grad`` and the tensor states; ``param`` written back
+        rounded stochastically with the bits of ``ekey`` (kernels/stochastic_round.py: an int, or a 0-dim int64
+        tensor in a traced graph), the states copied back (rounded to nearest)."""
+        from ..kernels.stochastic_round import stochastic_round_bf16
+
+        ins = [s if self.is_scalar_state(i) else s.float() for i, s in enumerate(states)]
+        out = self.fn(param.float(), grad.float(), *ins, *hparams)
+        param.copy_(stochastic_round_bf16(out[0], ekey))
+        for s, new in zip(states, out[1:]):
+            s.copy_(new)
+
 
 _RULES: dict[str, Rule] = {}
 _LOCK = threading.Lock()
@@ -129,14 +141,9 @@ def _(param, grad, states, hparams, rule, round_key=None, round_salt=0):
 
 def decompose_apply_rule(param, grad, states, hparams, rule, round_key=None, round_salt=0):
     """Decomposition used when re-tracing: the rule's ops plus copy_ back into param and states."""
-    r = get_rule(rule)
     if round_key is None:
-        r.apply(param, grad, list(states), list(hparams))
+        get_rule(rule).apply(param, grad, list(states), list(hparams))
         return
-    from ..kernels.stochastic_round import element_key_t, stochastic_round_bf16
+    from ..kernels.stochastic_round import element_key_t
 
-    ins = [s if r.is_scalar_state(i) else s.float() for i, s in enumerate(states)]
-    out = r.fn(param.float(), grad.float(), *ins, *hparams)
-    param.copy_(stochastic_round_bf16(out[0], element_key_t(round_key, round_salt)))
-    for s, new in zip(states, out[1:]):
-        s.copy_(new)
+    get_rule(rule).apply_rounded(param, grad, states, hparams, element_key_t(round_key, round_salt))
