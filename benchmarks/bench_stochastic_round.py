@@ -6,8 +6,9 @@ parameters, and vs the fp32-master-weight paths, on one GPU.
 Routes (one weight of N x K, M tokens, bf16 activations; medians of triton.testing.do_bench, fresh random inputs):
 - "bf16 unfused": torch.mm(dy_t, x) in bf16 (cuBLAS; dW rounded to bf16, as autograd gives a bf16 parameter) then
   torch._fused_adamw_ on bf16 W, m, v (round to nearest: AdamW(fused=True) on bf16 parameters);
-- "bf16 SR fused": forge::wgrad_update_ on bf16 W, m, v with a round key (Triton kernel, pointer epilogue), the
-  kernel alone ("kernel", host part done once) and the whole op call ("call": host key hashing and checks);
+- "bf16 SR fused": forge::wgrad_update_ on bf16 W, m, v with a round key -- the kernel the op launches (on sm_90
+  the Gluon smem/split kernel, else the Triton kernel's pointer epilogue) alone ("kernel", host part done once),
+  the Triton kernel alone ("triton"), and the whole op call ("call": host key hashing and checks);
 - "fp32 unfused" / "fp32 fused": the fp32-master-weight pair of bench_wgrad_update.py (cuBLAS bf16 -> fp32 out +
   torch._fused_adamw_ on fp32 W, m, v; forge's auto kernel) for context: the memory a bf16 run saves is 10 of 16
   bytes per parameter (W, m, v 2 bytes each instead of 4, and no fp32 master).
@@ -66,6 +67,15 @@ def check(n, k, m):
     return rel, same
 
 
+def _path(w, dy_t, x, states, rule, ekey) -> str:
+    # the kernel the op's launch takes for this case (launch_wgrad_update: Gluon where gluon_reason allows it)
+    try:
+        from forge_compile.kernels import wgrad_update_gluon as wg
+    except ImportError:
+        return "triton"
+    return "gluon" if wg.gluon_reason(w, dy_t, x, states, rule, ekey=ekey) is None else "triton"
+
+
 def time_case(n, k, m, rep):
     from triton.testing import do_bench
     from forge_compile.kernels.wgrad_update_triton import bound_launch
@@ -85,7 +95,15 @@ def time_case(n, k, m, rep):
     step = torch.tensor(3.0)
     ekey = element_key(round_key(0, 1), 0)
     fn = bound_launch(w, dy_t, x, [step, mm, v], _hp(), rule, ekey=ekey)
-    out["bf16 SR fused kernel"] = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    out["bf16 SR triton kernel"] = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    out["kernel path"] = _path(w, dy_t, x, [step, mm, v], rule, ekey)
+    if out["kernel path"] == "gluon":
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        fn = wg.bound_launch(w, dy_t, x, [step, mm, v], _hp(), rule, ekey=ekey)
+        out["bf16 SR fused kernel"] = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    else:
+        out["bf16 SR fused kernel"] = out["bf16 SR triton kernel"]
 
     def call():
         step.fill_(3.0)
@@ -116,13 +134,19 @@ def time_case(n, k, m, rep):
     return out
 
 
+# Gluon configs of the sweep: (name, smem/split config arguments)
+GLUON_SWEEP = [("smem r16a2", "smem", dict()), ("smem r8a2", "smem", dict(rows=8)), ("smem r16a1", "smem", dict(ahead=1)),
+               ("split r8a4", "split", dict()), ("split r8a4h", "split", dict(hoist=True)),
+               ("split r8a6", "split", dict(ahead=6)), ("split r8a2", "split", dict(ahead=2)),
+               ("split r16a2", "split", dict(rows=16, ahead=2)), ("split r8a4 ld", "split", dict(evict="ld"))]
 SWEEP_CONFIGS = ["l64x256e4p2", "l64x256e4p1", "l64x256e4", "l64x256", "m128e4", "t128e4", "t128x256e4", "t64x128",
                  "t64m128", "t64w8s2", "s64m128"]
 
 
-def sweep(n, k, tokens, rep):
-    """Every GPU config of the Triton template on the bf16 SR update (TMA configs take the pointer epilogue here):
-    ms, registers, spills, and the bitwise check of each config."""
+def sweep(n, k, tokens, rep, triton_too=False):
+    """Gluon smem/split configs (GLUON_SWEEP; sm_90) -- and with ``triton_too`` every GPU config of the Triton
+    template (TMA configs take the pointer epilogue here) -- on the bf16 SR update: ms, the bitwise check of each
+    config (Triton: registers, spills)."""
     from triton.testing import do_bench
     from forge_compile.kernels.wgrad_update_triton import bound_launch, pick_config
 
@@ -131,6 +155,29 @@ def sweep(n, k, tokens, rep):
     for m in tokens:
         w, mm, v, dy_t, x = _inputs(n, k, m, torch.bfloat16)
         cells = []
+        if _path(w, dy_t, x, [torch.tensor(3.0), mm, v], rule, ekey) == "gluon":
+            from forge_compile.kernels import wgrad_update_gluon as wg
+            from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD
+
+            pick = wg.pick_for(m, 3, 2, SIDE_GRAD, rounded=True)
+            for name, epi, kw in GLUON_SWEEP:
+                try:
+                    cfg = (wg.smem_config if epi == "smem" else wg.split_config)(**kw)
+                    st = [torch.tensor(3.0), mm, v]
+                    ref_w, ref_st = w.clone(), [st[0].clone(), mm.clone(), v.clone()]
+                    grad = torch.empty(n, k, device="cuda")
+                    wg.bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=cfg, ekey=ekey)()
+                    reference_update(ref_w, grad, ref_st, _hp(), rule.name, ekey)
+                    ok = torch.equal(w.view(torch.int16), ref_w.view(torch.int16)) and torch.equal(mm, ref_st[1])
+                    fn = wg.bound_launch(w, dy_t, x, st, _hp(), rule, config=cfg, ekey=ekey)
+                    ms = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+                    cells.append(f"{name}{'*' if cfg == pick else ''} {ms:.3f}{'' if ok else ' WRONG'}")
+                except Exception as e:  # noqa: BLE001 -- a config that does not build here
+                    cells.append(f"{name} failed ({type(e).__name__}: {str(e)[:80]})")
+            print(f"{n}x{k} M={m} gluon (* = picked): " + "; ".join(cells), flush=True)
+            cells = []
+        if not triton_too:
+            continue
         for c in SWEEP_CONFIGS:
             try:
                 st = [torch.tensor(3.0), mm, v]
@@ -154,12 +201,14 @@ def main():
     ap.add_argument("--shapes", default="4096x4096,14336x4096")
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--rep", type=int, default=100)
-    ap.add_argument("--sweep", action="store_true", help="every Triton config on the first shape, then stop")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the Gluon smem/split configs on the first shape (sm_90), then stop")
+    ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: every Triton config too")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.sweep:
-        sweep(*shapes[0], tokens, args.rep)
+        sweep(*shapes[0], tokens, args.rep, args.sweep_triton)
         return
     rows = []
     for n, k in shapes:
@@ -168,18 +217,20 @@ def main():
             t = time_case(n, k, m, args.rep)
             rows.append(dict(n=n, k=k, m=m, dw_rel_err=rel, bitwise_spec=same, **t))
             print(f"{n}x{k} M={m}: dW rel {rel:.1e}, spec bitwise {same}, "
-                  + ", ".join(f"{a} {b:.3f}" for a, b in t.items()), flush=True)
+                  + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in t.items()), flush=True)
     props = torch.cuda.get_device_properties(0)
     import triton
     head = (f"{datetime.date.today()} {props.name}, torch {torch.__version__}, triton {triton.__version__}; "
             "ms, medians")
     print("\n" + head)
-    print("| shape | M | bf16 unfused | bf16 SR fused (kernel / call) | ratio | floor | fp32 unfused | fp32 fused "
-          "| ratio | SR fused vs fp32 fused | host us/call | checks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | M | bf16 unfused | bf16 SR fused (kernel / call) | ratio | path | triton SR kernel | ratio "
+          "| floor | fp32 unfused | fp32 fused | ratio | SR fused vs fp32 fused | host us/call | checks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']}x{r['k']} | {r['m']} | {r['bf16 unfused']:.3f} | {r['bf16 SR fused kernel']:.3f} / "
               f"{r['bf16 SR fused call']:.3f} | {r['bf16 unfused'] / r['bf16 SR fused kernel']:.2f}x | "
+              f"{r['kernel path']} | {r['bf16 SR triton kernel']:.3f} | "
+              f"{r['bf16 unfused'] / r['bf16 SR triton kernel']:.2f}x | "
               f"{r['floor']:.3f} | {r['fp32 unfused']:.3f} | {r['fp32 fused']:.3f} | "
               f"{r['fp32 unfused'] / r['fp32 fused']:.2f}x | {r['fp32 fused'] / r['bf16 SR fused kernel']:.2f}x | "
               f"{r['host us/call']:.0f} | dW {r['dw_rel_err']:.0e}, {'bitwise' if r['bitwise_spec'] else 'DIFFERS'} |")

@@ -80,8 +80,10 @@ def _specs(args):
                 continue
             for table in ((False, True) if args.table == "both" else (args.table == "on",)):
                 sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
-                         + (["tied"] if args.tied else []))
+                         + (["tied"] if args.tied else []) + (["sr", "sr_f32", "sr_dw"] if args.sr else []))
                 for side in sides:
+                    if side and side.startswith("sr") and (table or layouts[lname].epi not in ("smem", "split")):
+                        continue    # stochastic rounding: the smem and split kernels, host scalars
                     if side == "cast" and layouts[lname].epi not in wg.POINTER_EPIS:
                         continue    # the TMA ring does not write the cast copy
                     if side == "tied" and layouts[lname].epi not in ("smem", "split"):
@@ -124,12 +126,18 @@ def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
     w = torch.randn(n, k, generator=gen)
     states = [torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(n, k, generator=gen)
               for i in range(len(rule.states))]
+    # stochastic rounding: a bf16 weight with bf16 states ("sr"), fp32 states ("sr_f32") or dW stored ("sr_dw")
+    ekey = 12345 if side and side.startswith("sr") else None
+    if ekey is not None:
+        w = w.bfloat16()
+        if side != "sr_f32":
+            states = [s if s.dim() == 0 else s.bfloat16() for s in states]
     dy = torch.randn(m, n, generator=gen).to(act)
     x = torch.randn(m, k, generator=gen).to(act)
     hp = [torch.tensor(0.01, dtype=torch.float64) for _ in rule.hparams]
     # the side output: dW (fp32) or the new W's bf16 copy; or no side output and a tied embedding's rows
     grad = {None: None, "dw": torch.empty_like(w), "cast": torch.empty_like(w, dtype=torch.bfloat16),
-            "tied": None}[side]
+            "tied": None, "sr": None, "sr_f32": None, "sr_dw": torch.empty_like(w, dtype=torch.float32)}[side]
     extra = (torch.randn(m, k, generator=gen), torch.zeros(n, dtype=torch.int32)) if side == "tied" else None
     tab = None
     if table:
@@ -137,7 +145,7 @@ def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
         hp = []
         tab = torch.zeros(compile_epilogue(rule, "cuda").n_kernel_scalars)
     kernel, grid, kargs, opts = wg._prepare(w, dy.t(), x, states, hp, rule, grad, config=cfg, max_ctas=132,
-                                            table=tab, extra=extra)[:4]
+                                            table=tab, extra=extra, ekey=ekey)[:4]
     ck = kernel.warmup(*kargs, grid=grid, **opts)
     return _ptxas_row(ck)
 
@@ -216,6 +224,9 @@ def main(argv=None):
                     help="also the pointer epilogues' (and --triton configs') variants that store the new W's bf16 copy")
     ap.add_argument("--tied", action="store_true",
                     help="also the smem/split (and --triton) variants that add a tied embedding's gradient rows")
+    ap.add_argument("--sr", action="store_true",
+                    help="also the smem/split variants that store a bf16 weight stochastically rounded (bf16 "
+                         "states, fp32 states, dW stored)")
     ap.add_argument("--shape", default="1024,1024,512", help="N,K,M of the prepared launch")
     ap.add_argument("--triton", default="", help="also (or, with --layouts none, only) these Triton kernel configs")
     ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",

@@ -8,6 +8,7 @@ eager torch's (tests/test_wgrad_update_triton.py) and the random bits are a hash
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -108,14 +109,20 @@ def _hparams(rule):
     return [torch.tensor(vals[h], dtype=torch.float64) for h in rule.hparams]
 
 
-def _check_exact(rule_name, n, k, m, device, state_dtype, config=None):
+def _check_exact(rule_name, n, k, m, device, state_dtype, config=None, gconfig=None, max_ctas=None, ekey=None):
+    # config: a Triton config (launch_wgrad_update); gconfig: a Gluon config (wgrad_update_gluon.launch)
     w, dy_t, x, states, rule = _case(rule_name, n, k, m, device, state_dtype)
     hp = _hparams(rule)
     w0 = w.clone()
     w_e, st_e = w.clone(), [s.clone() for s in states]
-    ekey = element_key(round_key(0, 3), 5)
+    ekey = element_key(round_key(0, 3), 5) if ekey is None else ekey
     grad = torch.full((n, k), float("nan"), device=device)
-    if config is None:
+    if gconfig is not None:
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        assert wg.gluon_reason(w, dy_t, x, states, rule, grad, ekey=ekey) is None
+        wg.launch(w, dy_t, x, states, hp, rule, side_out=grad, config=gconfig, max_ctas=max_ctas, ekey=ekey)
+    elif config is None:
         wgrad_update(w, dy_t, x, states, hp, rule.name, grad_out=grad, ekey=ekey)
     else:
         from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
@@ -199,5 +206,149 @@ def test_interpreter_kernel_exact(interpret, config, rule_name, state_dtype):
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(67, 45, 31), (1024, 512, 256), (4096, 4096, 1024)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_cuda_kernel_exact(rule_name, state_dtype, shape):
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_cuda_kernel_exact(rule_name, state_dtype, shape, kernel, monkeypatch):
+    # auto: the Gluon smem/split kernel on sm_90 where N, K are multiples of 8 (67x45 goes to Triton either way)
+    monkeypatch.setenv("FORGE_WGRAD_KERNEL", kernel)
     _check_exact(rule_name, *shape, "cuda", state_dtype)
+
+
+# ---- the Gluon kernel (sm_90): the smem and split epilogues round a bf16 weight ------------------------------------
+
+LION = rules.lion_rule().name
+
+
+def _gluon():
+    from forge_compile.kernels import wgrad_update_gluon as wg
+
+    return wg
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """CPU tensors judged as if on an sm_90 GPU with gluon present (the selection logic only)."""
+    wg = _gluon()
+    monkeypatch.setattr(wg, "_device_ok", lambda dev: True)
+    monkeypatch.setattr(wg, "gluon_available", lambda: True)
+    monkeypatch.setenv(wg.ENV, "gluon")
+
+
+@pytest.mark.parametrize("epi", ["smem", "split"])
+def test_gluon_render_rounded(epi):
+    import ast
+
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+
+    wg = _gluon()
+    ep = compile_epilogue(get_rule(ADAMW), "cuda")
+    plain, rounded = wg.render_gluon_source(ep, epi), wg.render_gluon_source(ep, epi, rounded=True)
+    ast.parse(rounded)
+    # off, the module carries nothing of it
+    assert "EKEY" not in plain and "_sround_bits" not in plain and "_as_elem" not in plain
+    # the key is a kernel argument never specialized, after the rule's scalars; the W store rounds (one store
+    # helper, called from both chunk steps); both states go through _as_elem; W and the states are converted
+    # to fp32 where the chunk's math starts
+    assert '@gluon.jit(do_not_specialize=["EKEY"])\ndef wgrad_update_gluon_kernel(' in rounded
+    assert re.search(r"def wgrad_update_gluon_kernel\([^)]*\bEKEY, M, N, K,", rounded)
+    assert rounded.count("_sround_bits(new_p, offs, EKEY)") == 1
+    assert rounded.count("_as_elem(s1_ptr, new_s1)") == 1 and rounded.count("_as_elem(s2_ptr, new_s2)") == 1
+    assert rounded.count("p = p.to(gl.float32)") == 2
+    for bad in (dict(epi="tma"), dict(epi="vec"), dict(epi=epi, table=True), dict(epi=epi, extra=True)):
+        with pytest.raises(wg.GluonUnsupported):
+            wg.render_gluon_source(ep, rounded=True, **bad)
+
+
+def test_gluon_bits_spelled_as_the_triton_ones():
+    # the Gluon spelling of the hash is the Triton one's with literal multipliers: same constants, same steps
+    from forge_compile.kernels.stochastic_round import GLUON_SROUND, TRITON_SROUND
+
+    for c in ("0x7FEB352D", "0x846CA68B", "0xFFFF0000", ">> 16", ">> 15"):
+        assert c in GLUON_SROUND and c in TRITON_SROUND
+
+
+def test_gluon_rounded_selection(fake_sm90):
+    from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD, SIDE_NONE
+
+    wg = _gluon()
+    rule = get_rule(ADAMW)
+    w, dy_t, x, st, _ = _case(ADAMW, 256, 128, 96, "cpu", torch.bfloat16)
+    ekey = element_key(7, 1)
+    assert wg.gluon_reason(w, dy_t, x, st, rule, ekey=ekey) is None
+    assert wg.gluon_reason(w, dy_t, x, [s.float() for s in st], rule, ekey=ekey) is None
+    assert wg.gluon_reason(w, dy_t, x, st, rule, torch.empty(256, 128), ekey=ekey) is None
+    # a bf16 weight without a key, an fp32 weight with one, a 16-bit side output, fp32 activations, a table, rows
+    assert wg.gluon_reason(w, dy_t, x, st, rule) is not None
+    assert "bf16 weight" in wg.gluon_reason(w.float(), dy_t, x, st, rule, ekey=ekey)
+    assert wg.gluon_reason(w, dy_t, x, st, rule, torch.empty(256, 128, dtype=torch.bfloat16), ekey=ekey)
+    assert "fp32 activations" in wg.gluon_reason(w, dy_t.float(), x.float(), st, rule, ekey=ekey)
+    assert "table" in wg.gluon_reason(w, dy_t, x, st[1:], rule, table=torch.zeros(8), ekey=ekey)
+    rows = (torch.zeros(96, 128), torch.full((256,), -1, dtype=torch.int32))
+    assert "tied" in wg.gluon_reason(w, dy_t, x, st, rule, extra=rows, ekey=ekey)
+    # the pick: the smem or split kernel at every M, rule size and side output, no L2 prefetch
+    for m in (64, 256, 512, 1024, 2048, 8192):
+        for n_load in (1, 2, 3):
+            for mode in (SIDE_NONE, SIDE_GRAD):
+                cfg = wg.pick_for(m, n_load, 2, mode, rounded=True)
+                assert cfg.epi in ("smem", "split") and cfg.l2pf == 0, (m, n_load, cfg)
+    # a rounded kernel that failed to build sends rounded launches alone to Triton
+    wg._BROKEN[wg._broken_key(rule, True)] = "test"
+    try:
+        assert wg.gluon_reason(w, dy_t, x, st, rule, ekey=ekey) == "test"
+        wf, dyf, xf, stf, _ = _case(ADAMW, 256, 128, 96, "cpu", torch.float32)
+        assert wg.gluon_reason(wf.float(), dyf, xf, stf, rule) is None
+    finally:
+        wg._BROKEN.pop(wg._broken_key(rule, True))
+
+
+def _sm90() -> bool:
+    if not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    return _gluon().gluon_available()
+
+
+sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
+
+
+@sm90
+@pytest.mark.parametrize("layout", ["smem", "split", "split_hoist"])
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM, LION], ids=["adamw", "sgdm", "lion"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype):
+    # N, K not multiples of the 128 tile, M not one of the 64-token stage; several tiles per CTA
+    wg = _gluon()
+    cfg = {"smem": wg.smem_config(), "split": wg.split_config(), "split_hoist": wg.split_config(hoist=True)}[layout]
+    _check_exact(rule_name, 1000, 776, 333, "cuda", state_dtype, gconfig=cfg, max_ctas=5)
+
+
+@sm90
+@pytest.mark.parametrize("m", [256, 2048, 8192])
+def test_gluon_kernel_exact_full_layer(m):
+    # the picks (smem at M <= 512, split above) on a 4096x4096 layer
+    from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD
+
+    cfg = _gluon().pick_for(m, 3, 2, SIDE_GRAD, rounded=True)
+    _check_exact(ADAMW, 4096, 4096, m, "cuda", torch.bfloat16, gconfig=cfg)
+
+
+@sm90
+@pytest.mark.parametrize("ekey", [0, 1, 16, 0x7FFFFFFF])
+def test_gluon_kernel_keys_never_specialized(ekey):
+    # 1 and multiples of 16 are values triton specializes on by default: each must still be a run-time key
+    _check_exact(SGDM, 512, 256, 128, "cuda", torch.bfloat16, gconfig=_gluon().split_config(), ekey=ekey)
+
+
+@sm90
+def test_op_path_takes_gluon_for_rounded_weights(monkeypatch):
+    # wgrad_update (the op's CUDA launch) on a bf16 weight with a key reaches the Gluon kernel under auto
+    wg = _gluon()
+    seen = []
+    real = wg.launch
+
+    def spy(*a, **k):
+        seen.append(k.get("ekey"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(wg, "launch", spy)
+    monkeypatch.setenv(wg.ENV, "auto")
+    _check_exact(ADAMW, 1024, 512, 256, "cuda", torch.bfloat16)
+    assert seen == [element_key(round_key(0, 3), 5)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["hash32", "round_key", "element_key", "element_key_t", "random_bits", "stochastic_round_bf16",
-           "stochastic_round_bf16_at", "TRITON_SROUND"]
+           "stochastic_round_bf16_at", "TRITON_SROUND", "GLUON_SROUND"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -110,4 +110,27 @@ def _sround_bits(x, off, ekey):
     r = _hash32(_hash32(off.to(tl.uint32)) ^ ekey.to(tl.uint32)) >> 16
     y = (x.to(tl.uint32, bitcast=True) + r) & tl.full((), 0xFFFF0000, tl.uint32)
     return tl.where(x != x, x, y.to(tl.float32, bitcast=True))
+'''
+
+# The Gluon spelling (wgrad_update_gluon's smem/split kernels): the same operations on the same uint32 values; the
+# multipliers are literals (a Gluon gl.full needs a layout), which Triton's integer promotion makes uint32 against
+# the uint32 operand, so every product is the same mod-2**32 multiply.
+GLUON_SROUND = '''
+
+@gluon.jit
+def _hash32(x):
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@gluon.jit
+def _sround_bits(x, off, ekey):
+    # x fp32 -> the fp32 pattern whose low 16 bits are zero (stochastic_round.py); NaN kept
+    r = _hash32(_hash32(off.to(gl.uint32)) ^ ekey.to(gl.uint32)) >> 16
+    y = (x.to(gl.uint32, bitcast=True) + r) & 0xFFFF0000
+    return gl.where(x != x, x, y.to(gl.float32, bitcast=True))
 '''

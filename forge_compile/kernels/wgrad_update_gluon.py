@@ -69,6 +69,7 @@ import torch
 
 from ..optim.rule import Rule
 from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module, scalar_fields
+from .stochastic_round import GLUON_SROUND
 from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, fp32_dot_precision, side_mode, split_states
 
 log = logging.getLogger(__name__)
@@ -769,7 +770,7 @@ ROWS_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 # (gl.bank_conflicts: 0 and 0; unswizzled rows 512 B apart put the 8 rows of a store on the same banks, 3 excess
 # wavefronts; a 16 B-unit swizzle by row mod 8 still 1). As the swizzle depends only on the row mod 4, a tile can be
 # viewed as [BN / R, R, BK] row chunks (R % 4 == 0) or tiles stacked as [n, BN, BK]: the same bytes.
-DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0])){extra_fn}
+DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0])){extra_fn}{round_fn}
 
 
 @gluon.jit
@@ -798,10 +799,10 @@ def _smem_load(t, c, w_ptr, {state_ptrs}num_tiles, num_n, num_k, N, K, BN: gl.co
 
 
 @gluon.jit
-def _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD: gl.constexpr,
+def _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, {ekey_param}STORE_GRAD: gl.constexpr,
                    ST_EV: gl.constexpr, ST_CM: gl.constexpr):
     # the updated W and tensor states (and the side output: dW, or the new W's low-precision copy) at offs
-    gl.store(w_ptr + offs, {new_p}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
+    gl.store(w_ptr + offs, {w_store}, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
 {smem_stores}
     if STORE_GRAD == 1:
         gl.store(g_ptr + offs, g, mask=msk, cache_modifier=ST_CM, eviction_policy=ST_EV)
@@ -834,11 +835,11 @@ def _smem_step(dw, t, c, ahead, w_ptr, {state_ptrs}g_ptr, {scalar_params}tstep, 
     # one chunk.
     nxt = _smem_load(t + ((c + AHEAD) // CNT) * tstep, C0 + (c + AHEAD) % CNT, w_ptr, {state_ptrs}num_tiles,
                      num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG, LD_EV)
-    {carry} = ahead[0]
+    {carry} = ahead[0]{carry_cvt}
     g = dw.index(dbase + C0 + c).load(L){extra_add}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _smem_chunk(t, C0 + c, num_tiles, num_n, num_k, N, K, BN, BK, R, GROUP, L, BIG)
-    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
+    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, {ekey_param}STORE_GRAD, ST_EV, ST_CM)
     return ahead[1:] + (nxt, )
 
 
@@ -902,11 +903,11 @@ def _smem_step_at(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {sca
     offs, msk = _chunk_at(base[0] + nx * (base_nx[0] - base[0]), base[1] + nx * (base_nx[1] - base[1]),
                           t + nx * tstep, C0 + (c + AHEAD) % CNT, num_tiles, N, K, BK, R, L, BIG)
     nxt = _smem_load_at(offs, msk, w_ptr, {state_ptrs}LD_EV)
-    {carry} = ahead[0]
+    {carry} = ahead[0]{carry_cvt}
     g = dw.index(dbase + C0 + c).load(L){extra_add_at}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
-    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, STORE_GRAD, ST_EV, ST_CM)
+    _smem_store_at(offs, msk, {new_vars}, g, w_ptr, {state_ptrs}g_ptr, {ekey_param}STORE_GRAD, ST_EV, ST_CM)
     return ahead[1:] + (nxt, )
 
 
@@ -1274,6 +1275,19 @@ def _to_gluon(code: str) -> str:
     return code
 
 
+# Stochastic rounding (render_fields(rounded=True)): the spec's bits (stochastic_round.GLUON_SROUND) and the
+# bf16-or-fp32 state store. _as_elem's branch is on the pointer's element type, decided at compile time.
+_ROUND_FN = GLUON_SROUND + """
+
+@gluon.jit
+def _as_elem(ptr, x):
+    # an optimizer state's new value in its own dtype: bf16 rounds to nearest even (Tensor.to), fp32 as is
+    if ptr.dtype.element_ty == gl.float32:
+        return x
+    else:
+        return x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")"""
+
+
 # A tied embedding / output weight (``extra``: the smem and split kernels only): row r of the dW chunk gains
 # e_ptr[p_ptr[r]] where p_ptr[r] >= 0 (embedding_update.compact_rows), added where the chunk leaves smem. The module
 # takes e_ptr, p_ptr right before g_ptr (appended to the state pointers, so every signature and call carries them).
@@ -1295,20 +1309,30 @@ _EXTRA_ADD_AT = """
     g = _smem_extra(g, base[0], base[1], C0 + c, N, K, e_ptr, p_ptr, R, BK, L)"""
 
 
-def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, extra: bool = False) -> str:
+def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, extra: bool = False,
+                        rounded: bool = False) -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
     warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
     instead of the update; the rule's text is in the module but never called). ``table``: the rule scalars are read
     from a device pointer ``scal_ptr`` (epilogue_codegen.scalar_fields) instead of taken as arguments. ``extra``
-    (smem, split): a tied embedding's gradient rows added to dW (_EXTRA_FN)."""
+    (smem, split): a tied embedding's gradient rows added to dW (_EXTRA_FN). ``rounded`` (smem, split): a bf16
+    weight stored stochastically rounded (render_fields)."""
     if extra and epi not in ("smem", "split"):
         raise GluonUnsupported(f"tied embedding rows in the {epi!r} epilogue")
+    if rounded and (epi not in ("smem", "split") or table or extra):
+        raise GluonUnsupported(f"stochastic rounding in the {epi!r} epilogue{' with a scalar table' if table else ''}"
+                               f"{' with tied embedding rows' if extra else ''}")
     if epi == "gemm":
         return (_HEAD + _GEMM_KERNEL).format(**_common_fields(ep, table))
     if epi in ("smem", "split"):
-        return (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
-            **render_fields(ep, table, extra))
+        src = (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
+            **render_fields(ep, table, extra, rounded))
+        if rounded:
+            # the key is new at every step: a value of 1 (or one divisible by 16) must not make another kernel
+            src = src.replace("@gluon.jit\ndef wgrad_update_gluon_kernel(",
+                              "@gluon.jit(do_not_specialize=[\"EKEY\"])\ndef wgrad_update_gluon_kernel(")
+        return src
     common = _common_fields(ep, table)
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in ("p", *states)]
@@ -1363,22 +1387,44 @@ def _common_fields(ep: Epilogue, table: bool) -> dict:
     )
 
 
-def render_fields(ep: Epilogue, table: bool = False, extra: bool = False) -> dict:
+def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: bool = False) -> dict:
     """The names the smem-epilogue modules (_HEAD + _SMEM_EPI + a kernel after them) are formatted with; the
-    grouped kernel (wgrad_update_group) is rendered with them too."""
+    grouped kernel (wgrad_update_group) is rendered with them too.
+
+    ``rounded``: stochastic rounding (stochastic_round.py). W is bf16, the tensor states bf16 or fp32; both are
+    loaded into fp32 (the rule runs on fp32 as for fp32 tensors), the new W is stored as _sround_bits of its
+    element offset and the key EKEY (an int32 argument after the rule's scalars, threaded with them, so the rule
+    takes it too and ignores it), bf16 states rounded to nearest even as Tensor.to. Off, the fields leave the
+    module's text as it was."""
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in ("p", *states)]
     i4 = " " * 4
+    common = _common_fields(ep, table)
+    carry_cvt = ""
+    st_cvt = dict.fromkeys(states, "")
+    if rounded:
+        common["scalar_params"] += "EKEY, "
+        common["kernel_scalar_params"] += "EKEY, "
+        # converted where the math starts, not at the load: the lookahead (AHEAD chunks of every array, live across
+        # the tile's hand-off) then holds bf16 pairs, half the registers (converted at the load, the split kernel's
+        # AdamW spilled 224 B in its sm_90 compile)
+        carry_cvt = "".join(f"\n    {v} = {v}.to(gl.float32)" for v in ("p", *states))
+        st_cvt = {s: f"_as_elem({s}_ptr, " for s in states}
     return dict(
-        **_common_fields(ep, table),
+        **common,
+        ekey_param="EKEY, " if rounded else "",
+        round_fn=_ROUND_FN if rounded else "",
+        carry_cvt=carry_cvt,
+        w_store=(f"_sround_bits({new_vars[0]}, offs, EKEY).to(gl.bfloat16, fp_downcast_rounding=\"rtne\")"
+                 if rounded else new_vars[0]),
         carry="".join(f"{v}, " for v in ("p", *states)),
         state_ptrs="".join(f"{s}_ptr, " for s in states) + ("e_ptr, p_ptr, " if extra else ""),
         extra_fn=_EXTRA_FN if extra else "", extra_add=_EXTRA_ADD if extra else "",
         extra_add_at=_EXTRA_ADD_AT if extra else "",
         smem_state_loads="".join(f"gl.load({s}_ptr + offs, mask=msk, eviction_policy=LD_EV), " for s in states),
         pf_states="\n".join(f"{i4}_l2_pf({s}_ptr + offs, nbs, ok)" for s in states),
-        smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {v}, mask=msk, cache_modifier=ST_CM, "
-                               "eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
+        smem_stores="\n".join(f"{i4}gl.store({s}_ptr + offs, {st_cvt[s]}{v}{')' if rounded else ''}, mask=msk, "
+                               "cache_modifier=ST_CM, eviction_policy=ST_EV)" for s, v in zip(states, new_vars[1:])),
     )
 
 
@@ -1386,10 +1432,10 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False) -> dic
 # per-rule source and kernel, cached (failures too: a rule that cannot render always goes to Triton)
 
 _SOURCES: dict[str, tuple[Epilogue | None, str | None, str | None]] = {}   # rule -> (ep, source, why not)
-# (rule, epi, table, extra) -> its module for epi="vec" / "smem" / "split" / "gemm", or any epi with a scalar table
-_EPI_SOURCES: dict[tuple[str, str, bool, bool], str] = {}
-# rule (epi "tma", no table) or (rule, epi, table, extra) -> kernel
-_KERNELS: dict[str | tuple[str, str, bool, bool], object] = {}
+# (rule, epi, table, extra, rounded) -> its module for epi="vec" / "smem" / "split" / "gemm", or any epi with a scalar table
+_EPI_SOURCES: dict[tuple[str, str, bool, bool, bool], str] = {}
+# rule (epi "tma", no table) or (rule, epi, table, extra, rounded) -> kernel
+_KERNELS: dict[str | tuple[str, str, bool, bool, bool], object] = {}
 _BROKEN: dict[str, str] = {}          # rule -> why its Gluon kernel failed to build/launch (falls back)
 _LOCK = threading.Lock()
 
@@ -1407,32 +1453,32 @@ def _source_for(rule: Rule):
     return hit
 
 
-def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False) -> str:
+def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False, rounded: bool = False) -> str:
     # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module, or a module reading its
     # scalars from a table, or adding a tied embedding's rows: rendered on demand, never by gluon_reason (the rule
     # renders for "tma" first)
     ep, src, why = _source_for(rule)
     if src is None:
         raise GluonUnsupported(why)
-    hit = _EPI_SOURCES.get((rule.name, epi, table, extra))
+    hit = _EPI_SOURCES.get((rule.name, epi, table, extra, rounded))
     if hit is None:
-        hit = render_gluon_source(ep, epi, table, extra)
+        hit = render_gluon_source(ep, epi, table, extra, rounded)
         with _LOCK:
-            _EPI_SOURCES.setdefault((rule.name, epi, table, extra), hit)
+            _EPI_SOURCES.setdefault((rule.name, epi, table, extra, rounded), hit)
     return hit
 
 
-def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool = False):
-    key = rule.name if epi == "tma" and not table else (rule.name, epi, table, extra)
+def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool = False, rounded: bool = False):
+    key = rule.name if epi == "tma" and not table else (rule.name, epi, table, extra, rounded)
     kern = _KERNELS.get(key)
     if kern is None:
         ep, src, why = _source_for(rule)
         if src is None:
             raise GluonUnsupported(why)
         if epi != "tma" or table:
-            src = _epi_source(rule, epi, table, extra)
+            src = _epi_source(rule, epi, table, extra, rounded)
         kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{'table_' if table else ''}"
-                                       f"{'extra_' if extra else ''}{ep.source_key}")
+                                       f"{'extra_' if extra else ''}{'sr_' if rounded else ''}{ep.source_key}")
         kern = kern.wgrad_update_gluon_kernel
         with _LOCK:
             _KERNELS.setdefault(key, kern)
@@ -1650,11 +1696,13 @@ SMEM_STAGES = 3
 SMEM_AHEAD_REGS = 96
 
 
-def smem_ahead(cfg: GConfig, n_load: int) -> int:
+def smem_ahead(cfg: GConfig, n_load: int, load_bytes: int | None = None) -> int:
     """Chunks of lookahead a launch uses: cfg.ahead, lowered (to 1 at the least) until the lookahead of ``n_load``
-    arrays (W + tensor states) fits SMEM_AHEAD_REGS."""
+    arrays (W + tensor states) fits SMEM_AHEAD_REGS. ``load_bytes``: the arrays' element sizes summed, where they
+    are not all fp32 (a stochastically rounded launch holds its bf16 lookahead as loaded: two per register)."""
     # a [R, C] chunk is R * C / 128 fp32 per thread and array (R per thread for the [R, 128] chunks)
-    return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * cfg.epi_n // 128 * n_load)))
+    words = n_load if load_bytes is None else -(-load_bytes // 4)
+    return max(1, min(cfg.ahead, SMEM_AHEAD_REGS // (cfg.epi_m * cfg.epi_n // 128 * words)))
 
 
 # GConfig.evict -> (load eviction_policy, store eviction_policy, store cache_modifier) of the smem epilogue
@@ -1899,11 +1947,17 @@ def _mode() -> str:
     return mode if mode in ("auto", "gluon", "triton") else "auto"
 
 
-def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None, extra=None) -> str | None:
+def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None, extra=None,
+                 ekey=None) -> str | None:
     """None when this launch goes to the Gluon kernel, else why not (it then goes to the Triton kernel).
     ``table``: the launch reads its scalars from this device row; ``states`` are the tensor states alone.
     ``extra``: a tied embedding's (rows, pos) (wgrad_update_triton.launch_wgrad_update): only with
-    FORGE_GLUON_EXTRA=1 -- the smem/split variant that adds them compiles for sm_90 but has not run on a GPU yet."""
+    FORGE_GLUON_EXTRA=1 -- the smem/split variant that adds them compiles for sm_90 but has not run on a GPU yet.
+    ``ekey``: a bf16 weight stored stochastically rounded (wgrad_update_triton.check_low_precision): the smem or
+    split kernel, bf16 activations, no table, no tied rows, dW (fp32) the only side output."""
+    rounded = ekey is not None
+    if rounded and (table is not None or extra is not None):
+        return "stochastic rounding with a scalar table or tied embedding rows: the Triton kernel"
     if extra is not None and os.environ.get(EXTRA_ENV) != "1":
         return f"tied embedding rows: the Triton kernel ({EXTRA_ENV}=1 tries the Gluon variant, not yet GPU-tested)"
     mode = _mode()
@@ -1913,8 +1967,8 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
         return "auto picks the Triton kernel"
     if mode == "auto" and _auto_keeps_triton(rule):
         return "auto: libdevice math in the rule's epilogue, not measured through Gluon (Triton kernel)"
-    if rule.name in _BROKEN:
-        return _BROKEN[rule.name]
+    if _broken_key(rule, rounded) in _BROKEN:
+        return _BROKEN[_broken_key(rule, rounded)]
     dev = weight.device
     if dy_t.device != dev or x.device != dev or not _device_ok(dev):
         return "not an sm_90 CUDA device"
@@ -1926,6 +1980,8 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
     m = x.shape[0]
     if m == 0:
         return "M == 0"
+    if rounded and x.dtype == torch.float32:
+        return "stochastic rounding with fp32 activations: the Triton kernel"
     if x.dtype == torch.float32:
         why = tf32_reason(dy_t, x, extra)
         if why is not None:
@@ -1939,9 +1995,13 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
         return "N and K must be multiples of 8 (16-byte TMA row strides)"
     tensor_states = split_states(rule, states, table)[0]
     epi = [weight, *tensor_states]
+    ok = (torch.float32, torch.bfloat16) if rounded else (torch.float32,)
     for t in epi:
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != weight.shape or t.device != dev:
-            return "weight/states must be contiguous fp32 [N, K] on the weight's device"
+        if t.dtype not in ok or not t.is_contiguous() or t.shape != weight.shape or t.device != dev:
+            return ("weight/states must be contiguous fp32 [N, K] on the weight's device" if not rounded else
+                    "stochastic rounding: weight/states must be contiguous bf16 or fp32 [N, K] on the weight's device")
+    if rounded and (weight.dtype != torch.bfloat16 or (side_out is not None and side_out.dtype != torch.float32)):
+        return "stochastic rounding: a bf16 weight, and dW (fp32) as the only side output"
     if side_out is not None:
         try:
             check_side_out(side_out, weight)
@@ -1953,9 +2013,15 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
     ep, src, why = _source_for(rule)
     if src is None:
         return why
-    if pick_for(m, 1 + len(tensor_states), x.element_size(), side_mode(side_out), extra is not None) is None:
+    if pick_for(m, 1 + len(tensor_states), x.element_size(), side_mode(side_out), extra is not None,
+                rounded) is None:
         return f"{len(epi)} arrays per epilogue slot do not fit in shared memory"
     return None
+
+
+def _broken_key(rule: Rule, rounded: bool) -> str:
+    # a rounded kernel that fails to build sends only rounded launches to Triton
+    return rule.name + "/rounded" if rounded else rule.name
 
 
 EXTRA_ENV = "FORGE_GLUON_EXTRA"
@@ -1988,11 +2054,19 @@ def tf32_reason(dy_t, x, extra=None) -> str | None:
 POINTER_EPIS = ("smem", "split", "vec")
 
 
-def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False) -> GConfig | None:
+def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False,
+             rounded: bool = False) -> GConfig | None:
     """``pick_gconfig`` for a launch streaming ``n_load`` fp32 arrays (W, tensor states) with side output ``mode``
     (wgrad_update_triton.side_mode). The cast copy adds 2-byte stores, not a streamed array: the pick of the
     arrays read, on a pointer epilogue (the smem kernel where that pick is the TMA ring; not measured). ``extra``
-    (a tied embedding's rows): the smem or split kernel, likewise."""
+    (a tied embedding's rows) or ``rounded`` (stochastic rounding, render_fields): the smem or split kernel,
+    likewise -- the split kernel's pick without its L2 prefetch (written for 4-byte rows)."""
+    if rounded:
+        cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
+        if cfg is not None and cfg.epi in ("smem", "split"):
+            return dataclasses.replace(cfg, l2pf=0) if cfg.l2pf else cfg
+        cfg = smem_config()
+        return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
     if mode != SIDE_CAST and not extra:
         return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
     cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
@@ -2041,15 +2115,20 @@ def _smem_layouts(cfg: GConfig, act_dtype: torch.dtype):
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-             max_ctas: int | None = None, table=None, extra=None, xk=None, dyk=None):
+             max_ctas: int | None = None, table=None, extra=None, xk=None, dyk=None, ekey=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .wgrad_update_triton import check_table, host_scalars
+    from .wgrad_update_triton import check_low_precision, check_table, host_scalars
 
     tabled = table is not None
     kernel = _kernel_for(rule, table=tabled)
     ep = _source_for(rule)[0]
     tensor_states, scalar_states = split_states(rule, states, table)
+    rounded = ekey is not None
+    check_low_precision(weight, tensor_states, side_out, ekey)
+    if rounded and (tabled or extra is not None or x.dtype == torch.float32):
+        raise ValueError("forge: the Gluon kernel rounds stochastically without a scalar table, tied embedding "
+                         "rows or fp32 activations (gluon_reason)")
     if tabled:
         check_table(ep, table, weight)
         scalars, new_scalar_states = [table], []
@@ -2059,9 +2138,11 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
     m = x.shape[0]
     epi = [weight, *tensor_states] + ([side_out] if side_out is not None else [])
     mode = side_mode(side_out)
-    cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode, extra is not None)
+    cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode, extra is not None, rounded)
     if config is not None:
         _check_gconfig(cfg)
+    if rounded and cfg.epi not in ("smem", "split"):
+        raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not round stochastically; smem and split do")
     if mode == SIDE_CAST and cfg.epi not in POINTER_EPIS:
         raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not write a cast copy of W (side_out "
                          f"{side_out.dtype}); epilogues {POINTER_EPIS} do")
@@ -2104,17 +2185,19 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi in ("smem", "split"):
-        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None)
+        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None, rounded)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, *rows_args, side_out if side_out is not None else weight,
-                *scalars, m, n, k)
+                *scalars, *((int(ekey),) if rounded else ()), m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
         ld_ev, st_ev, st_cm = _EVICT[cfg.evict]
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, STORE_GRAD=mode, R=cfg.epi_m,
                     LD_EV=ld_ev, ST_EV=st_ev, ST_CM=st_cm,
-                    AHEAD=smem_ahead(cfg, 1 + len(tensor_states)), BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
+                    AHEAD=smem_ahead(cfg, 1 + len(tensor_states),
+                                     sum(t.element_size() for t in (weight, *tensor_states)) if rounded else None),
+                    BIG=big, HOIST=cfg.hoist, CONSUMER_REGS=cfg.cregs,
                     num_warps=4, maxnreg=cfg.maxnreg, enable_fp_fusion=False)
         if cfg.epi == "split":
             if kmajor and gconfig_smem(cfg, 0, 4) > _RING_SMEM:
@@ -2154,12 +2237,13 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
 
 
 def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-           max_ctas: int | None = None, table=None, extra=None, kcopies=None):
+           max_ctas: int | None = None, table=None, extra=None, kcopies=None, ekey=None):
     """The Gluon kernel, unconditionally (callers check ``use_gluon`` first); scalar states advanced after it.
     ``max_ctas`` caps the persistent grid (tests: several tiles per CTA on small shapes); ``table`` and ``extra`` as
     in wgrad_update_triton.launch_wgrad_update. fp32 activations (TF32) whose dY^T copy would pass TF32_SLAB_BYTES
     are updated in row slabs, one launch each (``tf32_slabs``); other fp32 launches read ``kcopies`` (the
-    ``kmajor_copies`` of dy_t and x, made by the caller) or copy them here."""
+    ``kmajor_copies`` of dy_t and x, made by the caller) or copy them here. ``ekey``: a bf16 weight stored
+    stochastically rounded with this key (stochastic_round.element_key), the smem or split kernel."""
     slabs = tf32_slabs(weight.shape[0], x) if x.dtype == torch.float32 else None
     if slabs is not None and len(slabs) > 1:
         _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule, side_out, config, max_ctas, table)
@@ -2167,7 +2251,7 @@ def launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, confi
     dyk, xk = kcopies if kcopies is not None else (None, None)
     kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
         weight, dy_t, x, states, hparams, rule, side_out, config=config, max_ctas=max_ctas, table=table, extra=extra,
-        xk=xk, dyk=dyk)
+        xk=xk, dyk=dyk, ekey=ekey)
     kernel[grid](*args, **opts)
     with torch.no_grad():
         for s, new in zip(scalar_states, new_scalar_states):
@@ -2232,11 +2316,11 @@ def _launch_slabs(slabs, weight, dy_t, x, states, hparams, rule: Rule, side_out,
 
 
 def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, config: GConfig | None = None,
-                 table=None):
+                 table=None, ekey=None):
     """(benchmarks) A zero-argument callable launching the kernel alone, host part done once; scalar states are
     NOT advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, side_out, config=config,
-                                              table=table)
+                                              table=table, ekey=ekey)
     if x.dtype == torch.float32:
         # fp32 under TF32: every launch copies dY and X K-major first (_prepare), so the callable does too (into
         # the copies its descriptors address) -- timing the kernel alone would leave that traffic out
@@ -2253,19 +2337,19 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *,
 
 
 def try_launch(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, table=None, extra=None,
-               kcopies=None) -> bool:
+               kcopies=None, ekey=None) -> bool:
     """Launch on the Gluon path if ``use_gluon`` allows it; False (nothing done) sends the caller to Triton.
-    ``kcopies``: as in ``launch``."""
-    why = gluon_reason(weight, dy_t, x, states, rule, side_out, table, extra)
+    ``kcopies``, ``ekey``: as in ``launch``."""
+    why = gluon_reason(weight, dy_t, x, states, rule, side_out, table, extra, ekey)
     if why is not None:
         if _mode() == "gluon":
             log.debug("forge: %s=gluon but rule %r goes to the Triton kernel: %s", ENV, rule.name, why)
         return False
     try:
-        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra, kcopies=kcopies)
+        launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra, kcopies=kcopies, ekey=ekey)
     except Exception as e:  # build/compile failure (a triton whose Gluon API differs): the launch never ran
         with _LOCK:
-            _BROKEN[rule.name] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"
+            _BROKEN[_broken_key(rule, ekey is not None)] = f"Gluon kernel failed: {type(e).__name__}: {str(e)[:300]}"
         log.warning("forge: Gluon wgrad kernel for rule %r failed, using the Triton kernel: %s: %s",
                     rule.name, type(e).__name__, str(e)[:300])
         return False

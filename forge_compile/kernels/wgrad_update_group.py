@@ -144,7 +144,7 @@ def _group_step(dw, t, c, ahead, base, base_nx, w_ptr, {state_ptrs}g_ptr, {scala
     g = dw.index(C0 + c).load(L)
     {new_vars} = _rule(p, g, {state_vars}{scalar_params})
     offs, msk = _chunk_at(base[0], base[1], t, C0 + c, num_tiles, N, K, BK, R, L, BIG)
-    _smem_store_at(offs, msk, {new_vars}, g, {ptrs_cur}{gptr_cur}, STORE, ST_EV, ST_CM)
+    _smem_store_at(offs, msk, {new_vars}, g, {ptrs_cur}{gptr_cur}, {ekey_param}STORE, ST_EV, ST_CM)
     return ahead[1:] + (nxt, )
 
 

@@ -684,12 +684,18 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
     and pos are new tensors at every step).
 
     ``ekey``: a bf16 weight, updated in fp32 and stored stochastically rounded with this key
-    (stochastic_round.element_key; bf16 or fp32 states). Such a launch takes this kernel's pointer epilogue with
-    its table config, neither Gluon nor tuned nor memoized (the key is new at every step)."""
+    (stochastic_round.element_key; bf16 or fp32 states). On sm_90 such a launch takes the Gluon smem/split kernel
+    where gluon_reason allows it (bf16 activations, no table, no tied rows), else this kernel's pointer epilogue with
+    its table config; neither tuned nor memoized (the key is new at every step)."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
     if ekey is not None or weight.dtype != torch.float32:
+        if ekey is not None and config is None and weight.is_cuda:
+            from . import wgrad_update_gluon as wg
+
+            if wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra, ekey=ekey):
+                return
         kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
             weight, dy_t, x, states, hparams, rule, side_out, config, table, extra, ekey)
         kernel[grid](*args, **opts)
