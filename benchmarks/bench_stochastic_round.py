@@ -135,10 +135,13 @@ def time_case(n, k, m, rep):
 
 
 # Gluon configs of the sweep: (name, smem/split config arguments)
-GLUON_SWEEP = [("smem r16a2", "smem", dict()), ("smem r8a2", "smem", dict(rows=8)), ("smem r16a1", "smem", dict(ahead=1)),
+GLUON_SWEEP = [("smem r16a2", "smem", dict()), ("smem r8a2", "smem", dict(rows=8)),
+               ("smem r16a1", "smem", dict(ahead=1)),
                ("split r8a4", "split", dict()), ("split r8a4h", "split", dict(hoist=True)),
                ("split r8a6", "split", dict(ahead=6)), ("split r8a2", "split", dict(ahead=2)),
-               ("split r16a2", "split", dict(rows=16, ahead=2)), ("split r8a4 ld", "split", dict(evict="ld"))]
+               ("split r16a2", "split", dict(rows=16, ahead=2)), ("split r8a4 ld", "split", dict(evict="ld")),
+               ("split r16a2h", "split", dict(rows=16, ahead=2, hoist=True)), ("smem r16a1h", "smem", dict(ahead=1, hoist=True)),
+               ("smem r8a1", "smem", dict(rows=8, ahead=1))]
 SWEEP_CONFIGS = ["l64x256e4p2", "l64x256e4p1", "l64x256e4", "l64x256", "m128e4", "t128e4", "t128x256e4", "t64x128",
                  "t64m128", "t64w8s2", "s64m128"]
 

@@ -133,7 +133,12 @@ PRESETS = {
 # graphs round bf16 intermediates differently; on a 2-layer model (CPU) fp32 vs bf16-autocast AdamW runs
 # differed by <= 1.3e-3 over 4 steps, so 2e-2 leaves a 15x margin, while the fixed-batch loss falls by
 # ~0.8 nats per step (a skipped or wrong update shows at once). fp32: summation order only.
-LOSS_ATOL = {"bf16": 2e-2, "fp32": 1e-3}
+# "bf16_weights" (--bf16-weights): the routes' updates are different arithmetic on 2-byte weights -- forge rounds
+# stochastically, the baseline (torch.optim on bf16 parameters) to nearest -- so their losses drift apart by more
+# than autocast's rounding does: 5.0e-2 nats at the third check step of the quick preset on an H100 (stop 36; a
+# 5.8-nat drop). The bf16 step's exactness is tested against its spec (tests/test_stochastic_round_step.py); this
+# check only guards against a broken update (which misses the drop by nats)
+LOSS_ATOL = {"bf16": 2e-2, "fp32": 1e-3, "bf16_weights": 1.5e-1}
 
 
 def _judged_steps(baseline_losses) -> int:
@@ -817,9 +822,9 @@ def analyse(cfg, results, budget_gib=None, budget_base_mb=1):
             run_ms.setdefault((r["route"], r["mb"]), []).append(r["median_ms"])
     med = lambda key: statistics.median(run_ms[key]) if run_ms.get(key) else None
     # TF32 matmuls (10-bit mantissa inputs) round like bf16's: the bf16 tolerance
-    # bf16 weights: the routes round their updates differently (stochastically / to nearest): the bf16 tolerance
-    tol = LOSS_ATOL["bf16" if (cfg["device"].startswith("cuda") and (not cfg["fp32"] or cfg.get("tf32")))
-                    or cfg.get("bf16_weights") else "fp32"]
+    # bf16 weights: the routes round their updates differently (stochastically / to nearest): LOSS_ATOL's note
+    tol = LOSS_ATOL["bf16_weights" if cfg.get("bf16_weights") else "bf16" if (
+        cfg["device"].startswith("cuda") and (not cfg["fp32"] or cfg.get("tf32"))) else "fp32"]
     rows = []
     for (route, mb), r in sorted(main.items(), key=lambda kv: (kv[0][1], ROUTES.index(kv[0][0]))):
         base = main.get(("baseline", mb))

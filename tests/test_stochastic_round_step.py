@@ -238,14 +238,20 @@ def test_fp32_parameters_unaffected():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_large_token_counts_round_unfused():
-    # above SR_FUSED_MAX_TOKENS the fused bf16 update (Triton kernel) is slower than cuBLAS + the rounded update:
-    # left unfused with the reason, rounded the same way
-    from forge_compile.passes.wgrad_update_pattern import SR_FUSED_MAX_TOKENS
+    # above sr_fused_max_tokens (2048 for the Triton kernel, 4096 where the Gluon kernel takes the launch) the fused
+    # bf16 update is slower than cuBLAS + the rounded update: left unfused with the reason, rounded the same way
+    from forge_compile.kernels import wgrad_update_gluon as wg
+    from forge_compile.passes.wgrad_update_pattern import (SR_FUSED_MAX_TOKENS, SR_GLUON_MAX_TOKENS,
+                                                           sr_fused_max_tokens)
 
     model = nn.Linear(64, 64, bias=False).to("cuda", torch.bfloat16)
+    sm90 = torch.cuda.get_device_capability() == (9, 0) and wg.gluon_available() and wg._mode() != "triton"
+    limit = sr_fused_max_tokens(model.weight)
+    assert limit == (SR_GLUON_MAX_TOKENS if sm90 else SR_FUSED_MAX_TOKENS)
+    assert sr_fused_max_tokens(torch.empty(60, 64, device="cuda")) == SR_FUSED_MAX_TOKENS   # N % 8: Triton
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     step = forge.compile_train_step(_linear_step(model, opt), stochastic_rounding=True)
-    for m, fused in ((SR_FUSED_MAX_TOKENS, True), (2 * SR_FUSED_MAX_TOKENS, False)):
+    for m, fused in ((limit, True), (2 * limit, False)):
         x = torch.randn(m, 64, device="cuda").to(torch.bfloat16)
         rep = forge.explain(step, x, torch.randn(m, 64, device="cuda"))
         assert rep.rows[0].fused == fused, rep

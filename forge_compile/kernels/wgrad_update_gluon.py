@@ -763,7 +763,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 # chunks of a tile arrive during its GEMM). Partitions as for "vec": the two consumers + the GEMM loader.
 _SMEM_EPI = '''\
 # 16-byte vectors, a warp per 512 B row (R / 4 rows per thread): the probe's fastest streaming layout
-ROWS_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
+ROWS_L = gl.constexpr(gl.BlockedLayout([1, {row_vec}], [{row_tpr}, {row_tpc}], [4, 1], [1, 0]))
 # The fp32 dW tiles. Swizzle: 32 B units (8 fp32) XOR-permuted by row mod 4 within each 128 B. The accumulator's store
 # (st.shared.v2: a half-warp writes 4 rows x 32 B of one column block) then hits 4 different 32 B bank groups, and
 # the chunk loads (ld.shared.v4, a warp reads one whole 512 B row) stay contiguous per 16 B: both conflict-free
@@ -1410,9 +1410,14 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounde
         # AdamW spilled 224 B in its sm_90 compile)
         carry_cvt = "".join(f"\n    {v} = {v}.to(gl.float32)" for v in ("p", *states))
         st_cvt = {s: f"_as_elem({s}_ptr, " for s in states}
+    # 8 elements per thread when rounding: 16-byte vectors of the bf16 W/states (4 per thread would be 8-byte loads,
+    # half the bytes in flight per instruction; H100 run 1 of the Gluon SR kernel, 4 per thread: 2.2-2.5x its floor
+    # at M=256) -- 16 threads per 128-column row, two rows per warp; fp32 keeps 4 (16 bytes) and 32 per row
+    row_vec, row_tpr, row_tpc = (8, 2, 16) if rounded else (4, 1, 32)
     return dict(
         **common,
         ekey_param="EKEY, " if rounded else "",
+        row_vec=row_vec, row_tpr=row_tpr, row_tpc=row_tpc,
         round_fn=_ROUND_FN if rounded else "",
         carry_cvt=carry_cvt,
         w_store=(f"_sround_bits({new_vars[0]}, offs, EKEY).to(gl.bfloat16, fp_downcast_rounding=\"rtne\")"
@@ -1616,6 +1621,8 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     return _pick_tma(m, n_arrays, act_bytes)
 
 
+# stochastic rounding (pick_for): the largest M that takes the smem kernel
+_SR_SMEM_M = 1024
 # arrays streamed -> the largest M that does NOT take the split kernel (pick_gconfig)
 _SPLIT_M = {3: 512, 2: 1024}
 # the largest M whose split kernel takes hoist=True: two H100 runs (stop 24, RESULTS.md "L2 prefetch of the next tile
@@ -2062,10 +2069,13 @@ def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False
     (a tied embedding's rows) or ``rounded`` (stochastic rounding, render_fields): the smem or split kernel,
     likewise -- the split kernel's pick without its L2 prefetch (written for 4-byte rows)."""
     if rounded:
-        cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
-        if cfg is not None and cfg.epi in ("smem", "split"):
-            return dataclasses.replace(cfg, l2pf=0) if cfg.l2pf else cfg
-        cfg = smem_config()
+        # H100 sweep (RESULTS.md "bf16 weights with stochastic rounding", Gluon run 1, AdamW 4096x4096): the smem
+        # kernel with one chunk ahead was the fastest at M = 256 and 1024 (0.104 / 0.134 ms vs 0.116 / 0.141 for
+        # the fp32 picks), the split kernel at 2048 (hoist) and 8192
+        if m <= _SR_SMEM_M:
+            cfg = smem_config(ahead=1)
+        else:
+            cfg = split_config(hoist=m <= _SPLIT_HOIST_M)
         return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
     if mode != SIDE_CAST and not extra:
         return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
@@ -2141,8 +2151,9 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
     cfg = config or pick_for(m, 1 + len(tensor_states), x.element_size(), mode, extra is not None, rounded)
     if config is not None:
         _check_gconfig(cfg)
-    if rounded and cfg.epi not in ("smem", "split"):
-        raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not round stochastically; smem and split do")
+    if rounded and (cfg.epi not in ("smem", "split") or cfg.mma_warps != 4):
+        raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue{' (coop)' if cfg.mma_warps != 4 else ''} does not "
+                         "round stochastically; smem and split (one MMA warpgroup) do")
     if mode == SIDE_CAST and cfg.epi not in POINTER_EPIS:
         raise ValueError(f"forge: the Gluon {cfg.epi!r} epilogue does not write a cast copy of W (side_out "
                          f"{side_out.dtype}); epilogues {POINTER_EPIS} do")

@@ -504,12 +504,25 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
     return True, "", anchor
 
 
-# Tokens (over passes and ranks) above which a bf16 weight's stochastically rounded update stays unfused on CUDA: the
-# fused bf16 update is the Triton kernel (the Gluon kernel takes fp32 weights only), whose GEMM is the slow part at
-# large M -- on an H100 0.84-0.99x torch's bf16 mm + fused AdamW at M <= 2048, 0.43-0.52x at M = 4096 / 8192
-# (benchmarks/RESULTS.md "bf16 weights with stochastic rounding"); unfused, cuBLAS's bf16 dW feeds the same rounded
-# update compiled by Inductor.
+# Tokens (over passes and ranks) above which a bf16 weight's stochastically rounded update stays unfused on CUDA
+# (sr_fused_max_tokens); unfused, cuBLAS's bf16 dW feeds the same rounded update compiled by Inductor. H100, AdamW,
+# vs torch's bf16 mm + fused AdamW (benchmarks/RESULTS.md "bf16 weights with stochastic rounding"): the Triton
+# kernel, whose GEMM is the slow part at large M, 0.84-0.99x at M <= 2048 and 0.43-0.52x at 4096 / 8192; on sm_90
+# the Gluon smem/split kernel, 0.95-1.12x at M <= 4096 and 0.91-0.93x at 8192 (its first run, 8-byte loads).
 SR_FUSED_MAX_TOKENS = 2048
+SR_GLUON_MAX_TOKENS = 4096
+
+
+def sr_fused_max_tokens(w) -> int:
+    """The token limit of a fused rounded update of ``w`` (a CUDA weight, possibly fake): SR_GLUON_MAX_TOKENS where
+    the Gluon kernel would take it (sm_90 with gluon, not forced to Triton, N and K multiples of 8), else
+    SR_FUSED_MAX_TOKENS."""
+    from ..kernels import wgrad_update_gluon as wg
+
+    n, k = w.shape
+    if n % 8 == 0 and k % 8 == 0 and wg._mode() != "triton" and wg._device_ok(w.device) and wg.gluon_available():
+        return SR_GLUON_MAX_TOKENS
+    return SR_FUSED_MAX_TOKENS
 
 
 def _rounding_unsupported(match: _Match, w) -> Optional[str]:
@@ -522,10 +535,11 @@ def _rounding_unsupported(match: _Match, w) -> Optional[str]:
     if any(v is None or v.dim() != 2 for v in a):
         return None
     tokens = sum(v.shape[1] for v in a) * (match.dp[1] if match.dp is not None else 1)
-    if tokens > SR_FUSED_MAX_TOKENS:
-        return (f"bf16 weight at {tokens} tokens: the fused stochastically rounded update (Triton kernel) is slower "
-                f"than cuBLAS + the rounded update above {SR_FUSED_MAX_TOKENS} tokens (~0.5x on an H100, "
-                "benchmarks/RESULTS.md); updated unfused, rounded stochastically")
+    limit = sr_fused_max_tokens(w)
+    if tokens > limit:
+        return (f"bf16 weight at {tokens} tokens: the fused stochastically rounded update is slower than cuBLAS + "
+                f"the rounded update above {limit} tokens on this GPU (benchmarks/RESULTS.md); updated unfused, "
+                "rounded stochastically")
     return None
 
 
