@@ -117,6 +117,35 @@ def test_fake_launch_order_scalars_and_no_references():
     assert ref() is None
 
 
+def test_per_launch_argument_after_the_scalars():
+    # nvar=1 (a stochastic-rounding launch): the argument right after the scalars -- the round key -- is taken from
+    # each lookup, never from the launch the entry was built from; a lookup without it does not launch
+    rule, ep, w, states, sidx, hp = _setup()
+    kernel = FakeKernel()
+    x = torch.randn(5, 4)
+    key = lm.launch_key("rounded", rule, w, x.t(), x, states, None)
+
+    def prepare():
+        scalars = host_scalars(ep, [states[i] for i in sidx], hp)[0]
+        return kernel, (3,), (x, *scalars, 12345, x.shape[0]), dict(BLOCK=64)
+    n_scalars = len(host_scalars(ep, [states[i] for i in sidx], hp)[0])
+    FakeKernel.arg_names = ["x", *[f"s{i}" for i in range(n_scalars)], "EKEY", "M", "BLOCK"]
+    lm.remember(key, rule, prepare, ep, states, hp, sidx, nvar=1)
+    lm.remember(key, rule, prepare, ep, states, hp, sidx, nvar=1)
+    assert lm.counters["built"] == 1
+    assert not lm.lookup(key, states, hp) and not kernel.launched
+    for ekey in (7, 99):
+        assert lm.lookup(key, states, hp, (ekey,))
+        got = kernel.launched[-1]
+        assert len(got) == 1 + n_scalars + 3
+        assert got[1 + n_scalars:] == (ekey, 5, 64)
+    # a rule without host scalars has no position for the key: not remembered
+    lm.clear()
+    lm.remember(key, rule, lambda: (kernel, (3,), (x, 5, 5), {}), None, states, hp, [], nvar=1)
+    lm.remember(key, rule, lambda: (kernel, (3,), (x, 5, 5), {}), None, states, hp, [], nvar=1)
+    assert lm.counters["built"] == 0 and lm.counters["unsupported"] == 1
+
+
 def test_key_follows_pointer_shape_stride_dtype_and_kind():
     rule, ep, w, states, sidx, hp = _setup()
     x = torch.randn(6, 4)

@@ -338,6 +338,27 @@ def test_gluon_kernel_keys_never_specialized(ekey):
 
 
 @sm90
+def test_gluon_rounded_launch_remembered_with_a_new_key_each_step():
+    # the op's repeated launches on the same buffers take launch_memo's fast path, the key passed at each; every
+    # step bitwise the spec with its own key (a stale key would round step 3 like step 2)
+    from forge_compile.kernels import launch_memo as lm
+
+    lm.clear()
+    w, dy_t, x, states, rule = _case(ADAMW, 512, 256, 128, "cuda", torch.bfloat16)
+    hp = _hparams(rule)
+    grad = torch.empty(512, 256, device="cuda")
+    hits = lm.counters["hit"]
+    for step in range(4):
+        ekey = element_key(round_key(3, step), 1)
+        w_e, st_e = w.clone(), [s.clone() for s in states]
+        wgrad_update(w, dy_t, x, states, hp, rule.name, grad_out=grad, ekey=ekey)
+        reference_update(w_e, grad, st_e, hp, rule.name, ekey)
+        assert torch.equal(w.view(torch.int16), w_e.view(torch.int16)), step
+        assert all(torch.equal(s, e) for s, e in zip(states, st_e)), step
+    assert lm.counters["hit"] - hits >= 2
+
+
+@sm90
 def test_op_path_takes_gluon_for_rounded_weights(monkeypatch):
     # wgrad_update (the op's CUDA launch) on a bf16 weight with a key reaches the Gluon kernel under auto
     wg = _gluon()

@@ -82,6 +82,8 @@ class _Entry:
     direct: Any = None           # _compat.TritonDirectLaunch: the C launcher entered straight (None: ``run``)
     dhead: tuple = ()            # ``head`` / ``tail`` as ``direct`` takes them (descriptors encoded once)
     dtail: tuple = ()
+    nvar: int = 0                # arguments right after the scalars that the caller passes at every launch (the
+    #                              stochastic-rounding key: new at every step)
 
 
 def _tkey(t: torch.Tensor | None):
@@ -97,12 +99,13 @@ def launch_key(kind, rule, weight, dy_t, x, states, side_out) -> tuple:
             tuple(_tkey(s) if s.dim() else None for s in states), _tkey(side_out))
 
 
-def lookup(key: tuple, states, hparams) -> bool:
-    """Launch through a remembered entry; False (nothing done) when there is none."""
+def lookup(key: tuple, states, hparams, var: tuple = ()) -> bool:
+    """Launch through a remembered entry; False (nothing done) when there is none. ``var``: the values of the
+    entry's per-launch arguments after the scalars (``remember(nvar=...)``)."""
     if not ENABLED[0]:
         return False
     entry = _ENTRIES.get(key)
-    if entry is None:
+    if entry is None or entry.nvar != len(var):
         counters["miss"] += 1
         return False
     if entry.ep is None:     # scalars read from a device table by the kernel: nothing to compute or advance
@@ -113,6 +116,8 @@ def lookup(key: tuple, states, hparams) -> bool:
         scalar_states = [states[i] for i in entry.scalar_idx]
         scalars, new_scalar_states = host_scalars(entry.ep, scalar_states, hparams)
     try:
+        if var:
+            scalars = (*scalars, *var)
         if entry.direct is not None and DIRECT[0] and entry.direct.usable():
             entry.direct(entry.dhead, scalars, entry.dtail)
             counters["direct"] += 1
@@ -144,14 +149,16 @@ def _strip(a):
     return a
 
 
-def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams, scalar_idx) -> None:
+def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams, scalar_idx, nvar: int = 0) -> None:
     """After a successful full launch under ``key``: on the key's second sighting build its entry.
 
     ``prepare()`` returns the full path's ``(kernel, grid, args, opts, ...)`` for the same arguments (it has no
     side effects); ``ep`` None: a launch with a scalar table (no host scalars). The host scalars sit in ``args``
     as one run; they are found by identity: host_scalars returns the same list object for the same scalar-state
     and hyper-parameter values, so the list computed here is the one ``prepare()`` places (not memoized -- CUDA
-    scalar states -- means not found: the key stays on the full path)."""
+    scalar states -- means not found: the key stays on the full path). ``nvar``: that many arguments right after
+    the scalars change at every launch (``lookup(var=...)`` passes them; a rule without host scalars then has no
+    position to find them at and stays on the full path)."""
     if not ENABLED[0] or key in _ENTRIES:
         return
     if key not in _SEEN:
@@ -165,7 +172,7 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
     try:
         scalars = host_scalars(ep, [states[i] for i in scalar_idx], hparams)[0] if ep is not None else []
         kernel, grid, args, opts = prepare()[:4]
-        pos = _scalar_pos(args, scalars)
+        pos = _scalar_pos(args, scalars) if scalars or not nvar else None
         if pos is None:
             counters["unsupported"] += 1
             log.debug("forge: fast launch: scalars not found in the argument list; key left on the full path")
@@ -187,13 +194,13 @@ def remember(key: tuple, rule, prepare: Callable[[], tuple], ep, states, hparams
         log.debug("forge: fast launch entry not built: %s: %s", type(e).__name__, e)
         return
     stripped = [_strip(a) for a in full]
-    entry = _Entry(run=run, head=tuple(stripped[:pos]), tail=tuple(stripped[pos + len(scalars):]),
-                   ep=ep, scalar_idx=tuple(scalar_idx), rule=rule)
+    after = pos + len(scalars) + nvar
+    entry = _Entry(run=run, head=tuple(stripped[:pos]), tail=tuple(stripped[after:]),
+                   ep=ep, scalar_idx=tuple(scalar_idx), rule=rule, nvar=nvar)
     if DIRECT[0]:
         direct = _compat.TritonDirectLaunch.build(compiled, grid)
         if direct is not None:
             try:
-                after = pos + len(scalars)
                 entry.direct, entry.dhead, entry.dtail = (
                     direct, tuple(direct.expand(stripped[:pos], 0)), tuple(direct.expand(stripped[after:], after)))
             except Exception as e:  # never fatal: this entry launches through ``run``

@@ -685,16 +685,30 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
 
     ``ekey``: a bf16 weight, updated in fp32 and stored stochastically rounded with this key
     (stochastic_round.element_key; bf16 or fp32 states). On sm_90 such a launch takes the Gluon smem/split kernel
-    where gluon_reason allows it (bf16 activations, no table, no tied rows), else this kernel's pointer epilogue with
-    its table config; neither tuned nor memoized (the key is new at every step)."""
+    where gluon_reason allows it (bf16 activations, no table, no tied rows) -- remembered by launch_memo, the key
+    passed at every launch --, else this kernel's pointer epilogue with its table config, not memoized; never
+    tuned."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None
     if ekey is not None or weight.dtype != torch.float32:
         if ekey is not None and config is None and weight.is_cuda:
+            from . import launch_memo
             from . import wgrad_update_gluon as wg
 
+            # the Gluon launch is remembered like an fp32 one, the key passed at every launch after the scalars
+            # (host: ~130-270 us per full Gluon launch on an H100 host, stop 36); the Triton SR kernel takes the key
+            # before its scalars and is not remembered
+            if launch_memo.ENABLED[0] and x.shape[0] > 0 and table is None and extra is None:
+                kind = ("rounded", wg._mode(), wg.AUTO_GLUON, wg._broken_key(rule, True) in wg._BROKEN)
+                memo_key = launch_memo.launch_key(kind, rule, weight, dy_t, x, states, side_out)
+                if launch_memo.lookup(memo_key, states, hparams, (int(ekey),)):
+                    return
             if wg.try_launch(weight, dy_t, x, states, hparams, rule, side_out, table=table, extra=extra, ekey=ekey):
+                if memo_key is not None:
+                    launch_memo.remember(memo_key, rule, lambda: wg._prepare(weight, dy_t, x, states, hparams, rule,
+                                                                             side_out, ekey=ekey),
+                                         wg._source_for(rule)[0], states, hparams, _scalar_idx(rule, states), nvar=1)
                 return
         kernel, grid, args, opts, scalar_states, new_scalar_states = _prepare(
             weight, dy_t, x, states, hparams, rule, side_out, config, table, extra, ekey)
