@@ -163,7 +163,10 @@ def sweep(n, k, tokens, rep, triton_too=False):
             from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD
 
             pick = wg.pick_for(m, 3, 2, SIDE_GRAD, rounded=True)
-            for name, epi, kw in GLUON_SWEEP:
+            vec0 = wg.SR_ROW_VEC
+            for vec, (name, epi, kw) in [(v, c) for v in (4, 8) for c in GLUON_SWEEP]:
+                wg.SR_ROW_VEC = vec     # elements per thread of the bf16 loads (v4: 8-byte, v8: 16-byte vectors)
+                name = f"{name} v{vec}"
                 try:
                     cfg = (wg.smem_config if epi == "smem" else wg.split_config)(**kw)
                     st = [torch.tensor(3.0), mm, v]
@@ -177,7 +180,8 @@ def sweep(n, k, tokens, rep, triton_too=False):
                     cells.append(f"{name}{'*' if cfg == pick else ''} {ms:.3f}{'' if ok else ' WRONG'}")
                 except Exception as e:  # noqa: BLE001 -- a config that does not build here
                     cells.append(f"{name} failed ({type(e).__name__}: {str(e)[:80]})")
-            print(f"{n}x{k} M={m} gluon (* = picked): " + "; ".join(cells), flush=True)
+            wg.SR_ROW_VEC = vec0
+            print(f"{n}x{k} M={m} gluon (* = picked, at v{vec0}): " + "; ".join(cells), flush=True)
             cells = []
         if not triton_too:
             continue
@@ -207,8 +211,20 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="the Gluon smem/split configs on the first shape (sm_90), then stop")
     ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: every Triton config too")
+    ap.add_argument("--row-vec", type=int, choices=[4, 8], default=None,
+                    help="elements per thread of the Gluon kernel's bf16 loads (wgrad_update_gluon.SR_ROW_VEC)")
+    ap.add_argument("--memo", action="store_true",
+                    help="rounded launches through launch_memo (wgrad_update_triton.SR_MEMO) for the call column")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.row_vec is not None:
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        wg.SR_ROW_VEC = args.row_vec
+    if args.memo:
+        from forge_compile.kernels import wgrad_update_triton as wt
+
+        wt.SR_MEMO[0] = True
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.sweep:
         sweep(*shapes[0], tokens, args.rep, args.sweep_triton)
@@ -223,8 +239,10 @@ def main():
                   + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in t.items()), flush=True)
     props = torch.cuda.get_device_properties(0)
     import triton
+    from forge_compile.kernels import wgrad_update_gluon as wg
+    from forge_compile.kernels import wgrad_update_triton as wt
     head = (f"{datetime.date.today()} {props.name}, torch {torch.__version__}, triton {triton.__version__}; "
-            "ms, medians")
+            f"ms, medians; Gluon SR loads {wg.SR_ROW_VEC} per thread, launch memo {'on' if wt.SR_MEMO[0] else 'off'}")
     print("\n" + head)
     print("| shape | M | bf16 unfused | bf16 SR fused (kernel / call) | ratio | path | triton SR kernel | ratio "
           "| floor | fp32 unfused | fp32 fused | ratio | SR fused vs fp32 fused | host us/call | checks |")

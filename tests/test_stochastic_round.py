@@ -253,6 +253,12 @@ def test_gluon_render_rounded(epi):
     assert rounded.count("_sround_bits(new_p, offs, EKEY)") == 1
     assert rounded.count("_as_elem(s1_ptr, new_s1)") == 1 and rounded.count("_as_elem(s2_ptr, new_s2)") == 1
     assert rounded.count("p = p.to(gl.float32)") == 2
+    # load widths: 4 elements per thread (fp32's layout, GPU-run) or 8 (16-byte bf16 vectors); fp32 keeps 4
+    assert "gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])" in plain and \
+        "gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])" in rounded
+    assert "gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])" in wg.render_gluon_source(ep, epi, rounded=8)
+    with pytest.raises(ValueError):
+        wg.render_gluon_source(ep, epi, rounded=2)
     for bad in (dict(epi="tma"), dict(epi="vec"), dict(epi=epi, table=True), dict(epi=epi, extra=True)):
         with pytest.raises(wg.GluonUnsupported):
             wg.render_gluon_source(ep, rounded=True, **bad)
@@ -309,11 +315,22 @@ def _sm90() -> bool:
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
 
 
+# both load widths of the rounded kernels (wgrad_update_gluon.SR_ROW_VEC: 4 GPU-run, 8 not yet), indirect
+ROW_VECS = pytest.mark.parametrize("row_vec", [4, 8], ids=["v4", "v8"], indirect=True)
+
+
+@pytest.fixture
+def row_vec(request, monkeypatch):
+    monkeypatch.setattr(_gluon(), "SR_ROW_VEC", request.param)
+    return request.param
+
+
 @sm90
 @pytest.mark.parametrize("layout", ["smem", "split", "split_hoist"])
 @pytest.mark.parametrize("rule_name", [ADAMW, SGDM, LION], ids=["adamw", "sgdm", "lion"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
-def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype):
+@ROW_VECS
+def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype, row_vec):
     # N, K not multiples of the 128 tile, M not one of the 64-token stage; several tiles per CTA
     wg = _gluon()
     cfg = {"smem": wg.smem_config(), "split": wg.split_config(), "split_hoist": wg.split_config(hoist=True)}[layout]
@@ -322,7 +339,8 @@ def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype):
 
 @sm90
 @pytest.mark.parametrize("m", [256, 2048, 8192])
-def test_gluon_kernel_exact_full_layer(m):
+@ROW_VECS
+def test_gluon_kernel_exact_full_layer(m, row_vec):
     # the picks (smem at M <= 512, split above) on a 4096x4096 layer
     from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD
 
@@ -332,17 +350,20 @@ def test_gluon_kernel_exact_full_layer(m):
 
 @sm90
 @pytest.mark.parametrize("ekey", [0, 1, 16, 0x7FFFFFFF])
-def test_gluon_kernel_keys_never_specialized(ekey):
+@ROW_VECS
+def test_gluon_kernel_keys_never_specialized(ekey, row_vec):
     # 1 and multiples of 16 are values triton specializes on by default: each must still be a run-time key
     _check_exact(SGDM, 512, 256, 128, "cuda", torch.bfloat16, gconfig=_gluon().split_config(), ekey=ekey)
 
 
 @sm90
-def test_gluon_rounded_launch_remembered_with_a_new_key_each_step():
-    # the op's repeated launches on the same buffers take launch_memo's fast path, the key passed at each; every
-    # step bitwise the spec with its own key (a stale key would round step 3 like step 2)
+def test_gluon_rounded_launch_remembered_with_a_new_key_each_step(monkeypatch):
+    # with SR_MEMO the op's repeated launches on the same buffers take launch_memo's fast path, the key passed at
+    # each; every step bitwise the spec with its own key (a stale key would round step 3 like step 2)
     from forge_compile.kernels import launch_memo as lm
+    from forge_compile.kernels import wgrad_update_triton as wt
 
+    monkeypatch.setattr(wt, "SR_MEMO", [True])
     lm.clear()
     w, dy_t, x, states, rule = _case(ADAMW, 512, 256, 128, "cuda", torch.bfloat16)
     hp = _hparams(rule)

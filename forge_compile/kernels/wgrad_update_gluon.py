@@ -80,7 +80,7 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
            "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape", "split_config",
-           "SPLIT_STAGES", "pick_for", "POINTER_EPIS", "EXTRA_ENV"]
+           "SPLIT_STAGES", "pick_for", "POINTER_EPIS", "EXTRA_ENV", "SR_ROW_VEC"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -1310,7 +1310,7 @@ _EXTRA_ADD_AT = """
 
 
 def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, extra: bool = False,
-                        rounded: bool = False) -> str:
+                        rounded: bool | int = False) -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
     warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
@@ -1387,11 +1387,26 @@ def _common_fields(ep: Epilogue, table: bool) -> dict:
     )
 
 
-def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: bool = False) -> dict:
+def _sr_vec(rounded) -> int:
+    # render_fields' ``rounded``: False/0 off; True or 4: 4 elements per thread; 8: 8 per thread
+    if rounded not in (False, True, 0, 4, 8):
+        raise ValueError(f"rounded={rounded!r}: 0 (off), 4 or 8 elements per thread (True: 4)")
+    return 4 if rounded is True else int(rounded)
+
+
+# Elements per thread of a rounded kernel's bf16 W/state loads: 4 (8-byte vectors) is the layout GPU-run in stop 36
+# (bitwise the spec, RESULTS.md "Gluon run 1"); 8 (16-byte vectors, predicted faster: twice the bytes per load in
+# flight) compiles for sm_90 without spills but has NOT run on a GPU -- set 8 once tests/test_stochastic_round.py's
+# Gluon tests (which run both) pass on one and bench_stochastic_round.py --sweep measures it.
+SR_ROW_VEC = 4
+
+
+def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: bool | int = False) -> dict:
     """The names the smem-epilogue modules (_HEAD + _SMEM_EPI + a kernel after them) are formatted with; the
     grouped kernel (wgrad_update_group) is rendered with them too.
 
-    ``rounded``: stochastic rounding (stochastic_round.py). W is bf16, the tensor states bf16 or fp32; both are
+    ``rounded``: stochastic rounding (stochastic_round.py; True or 4 / 8: elements per thread of the loads, _sr_vec).
+    W is bf16, the tensor states bf16 or fp32; both are
     loaded into fp32 (the rule runs on fp32 as for fp32 tensors), the new W is stored as _sround_bits of its
     element offset and the key EKEY (an int32 argument after the rule's scalars, threaded with them, so the rule
     takes it too and ignores it), bf16 states rounded to nearest even as Tensor.to. Off, the fields leave the
@@ -1410,10 +1425,10 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounde
         # AdamW spilled 224 B in its sm_90 compile)
         carry_cvt = "".join(f"\n    {v} = {v}.to(gl.float32)" for v in ("p", *states))
         st_cvt = {s: f"_as_elem({s}_ptr, " for s in states}
-    # 8 elements per thread when rounding: 16-byte vectors of the bf16 W/states (4 per thread would be 8-byte loads,
-    # half the bytes in flight per instruction; H100 run 1 of the Gluon SR kernel, 4 per thread: 2.2-2.5x its floor
-    # at M=256) -- 16 threads per 128-column row, two rows per warp; fp32 keeps 4 (16 bytes) and 32 per row
-    row_vec, row_tpr, row_tpc = (8, 2, 16) if rounded else (4, 1, 32)
+    # rounded == 8: 8 elements per thread, 16-byte vectors of the bf16 W/states, 16 threads per 128-column row and
+    # two rows per warp (SR_ROW_VEC); 4 (and fp32 always): 4 per thread, 32 per row -- 8-byte bf16 loads, half the
+    # bytes in flight per instruction (H100 Gluon SR run 1: 2.2-2.5x its floor at M <= 1024)
+    row_vec, row_tpr, row_tpc = (8, 2, 16) if _sr_vec(rounded) == 8 else (4, 1, 32)
     return dict(
         **common,
         ekey_param="EKEY, " if rounded else "",
@@ -1458,7 +1473,7 @@ def _source_for(rule: Rule):
     return hit
 
 
-def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False, rounded: bool = False) -> str:
+def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False, rounded: int = 0) -> str:
     # the epi="vec" (v10) / "smem" (v11) / "split" (v12) / "gemm" (diagnostic) module, or a module reading its
     # scalars from a table, or adding a tied embedding's rows: rendered on demand, never by gluon_reason (the rule
     # renders for "tma" first)
@@ -1473,7 +1488,7 @@ def _epi_source(rule: Rule, epi: str, table: bool = False, extra: bool = False, 
     return hit
 
 
-def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool = False, rounded: bool = False):
+def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool = False, rounded: int = 0):
     key = rule.name if epi == "tma" and not table else (rule.name, epi, table, extra, rounded)
     kern = _KERNELS.get(key)
     if kern is None:
@@ -1483,7 +1498,7 @@ def _kernel_for(rule: Rule, epi: str = "tma", table: bool = False, extra: bool =
         if epi != "tma" or table:
             src = _epi_source(rule, epi, table, extra, rounded)
         kern = load_kernel_module(src, f"gluon_{'' if epi == 'tma' else epi + '_'}{'table_' if table else ''}"
-                                       f"{'extra_' if extra else ''}{'sr_' if rounded else ''}{ep.source_key}")
+                                       f"{'extra_' if extra else ''}{f'sr{rounded}_' if rounded else ''}{ep.source_key}")
         kern = kern.wgrad_update_gluon_kernel
         with _LOCK:
             _KERNELS.setdefault(key, kern)
@@ -2196,7 +2211,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi in ("smem", "split"):
-        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None, rounded)
+        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None, _sr_vec(SR_ROW_VEC) if rounded else 0)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, *rows_args, side_out if side_out is not None else weight,
