@@ -113,13 +113,29 @@ def test_grad_accum_step_matches_off():
 
 
 def _torchrun(tmp_path, route, *extra):
-    """The example under torchrun, 2 CPU ranks over gloo: rank 0's results."""
+    """The example under torchrun, 2 CPU ranks over gloo: rank 0's results.
+
+    One retry after a hang: in stop 36's CI the baseline route (``off``: torch.compile of the DDP model, torch.optim;
+    no forge code) hung once with one rank waiting in gloo for 600 s, and passed in 34 s when run again alone. A
+    hung run's whole process group is killed (the ranks outlived torchrun before); a second hang, or any failure,
+    fails the test."""
+    import signal
     import subprocess
     out = tmp_path / f"{route}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(EXAMPLES, "train_lm.py"), *TINY, "--route", route, "--results-json", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    for attempt in range(2):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=300)
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            if attempt:
+                raise AssertionError(f"torchrun route {route} hung twice: {err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
     return json.loads(out.read_text())
 
 
