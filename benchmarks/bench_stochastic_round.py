@@ -146,11 +146,24 @@ SWEEP_CONFIGS = ["l64x256e4p2", "l64x256e4p1", "l64x256e4", "l64x256", "m128e4",
                  "t64m128", "t64w8s2", "s64m128"]
 
 
+def _exact_then_time(make, w, mm, v, rule, ekey, rep):
+    """One sweep cell: ``make(states, side_out)`` binds a launch; run it once storing dW and compare W, m bitwise to
+    the spec on that dW, then time it without the side output. (ms, bitwise, what the first launch returned)."""
+    from triton.testing import do_bench
+
+    st = [torch.tensor(3.0), mm, v]
+    ref_w, ref_st = w.clone(), [st[0].clone(), mm.clone(), v.clone()]
+    grad = torch.empty(*w.shape, device="cuda")
+    first = make(st, grad)()
+    reference_update(ref_w, grad, ref_st, _hp(), rule.name, ekey)
+    ok = torch.equal(w.view(torch.int16), ref_w.view(torch.int16)) and torch.equal(mm, ref_st[1])
+    return do_bench(make(st, None), warmup=10, rep=rep, return_mode="median"), ok, first
+
+
 def sweep(n, k, tokens, rep, triton_too=False):
     """Gluon smem/split configs (GLUON_SWEEP; sm_90) -- and with ``triton_too`` every GPU config of the Triton
     template (TMA configs take the pointer epilogue here) -- on the bf16 SR update: ms, the bitwise check of each
     config (Triton: registers, spills)."""
-    from triton.testing import do_bench
     from forge_compile.kernels.wgrad_update_triton import bound_launch, pick_config
 
     rule = rules.adamw_rule()
@@ -169,14 +182,9 @@ def sweep(n, k, tokens, rep, triton_too=False):
                 name = f"{name} v{vec}"
                 try:
                     cfg = (wg.smem_config if epi == "smem" else wg.split_config)(**kw)
-                    st = [torch.tensor(3.0), mm, v]
-                    ref_w, ref_st = w.clone(), [st[0].clone(), mm.clone(), v.clone()]
-                    grad = torch.empty(n, k, device="cuda")
-                    wg.bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=cfg, ekey=ekey)()
-                    reference_update(ref_w, grad, ref_st, _hp(), rule.name, ekey)
-                    ok = torch.equal(w.view(torch.int16), ref_w.view(torch.int16)) and torch.equal(mm, ref_st[1])
-                    fn = wg.bound_launch(w, dy_t, x, st, _hp(), rule, config=cfg, ekey=ekey)
-                    ms = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+                    ms, ok, _ = _exact_then_time(
+                        lambda st, grad: wg.bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=cfg, ekey=ekey),
+                        w, mm, v, rule, ekey, rep)
                     cells.append(f"{name}{'*' if cfg == pick else ''} {ms:.3f}{'' if ok else ' WRONG'}")
                 except Exception as e:  # noqa: BLE001 -- a config that does not build here
                     cells.append(f"{name} failed ({type(e).__name__}: {str(e)[:80]})")
@@ -187,15 +195,9 @@ def sweep(n, k, tokens, rep, triton_too=False):
             continue
         for c in SWEEP_CONFIGS:
             try:
-                st = [torch.tensor(3.0), mm, v]
-                ref_w, ref_st = w.clone(), [st[0].clone(), mm.clone(), v.clone()]
-                grad = torch.empty(n, k, device="cuda")
-                fn = bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=c, ekey=ekey)
-                ck = fn()
-                reference_update(ref_w, grad, ref_st, _hp(), rule.name, ekey)
-                ok = torch.equal(w.view(torch.int16), ref_w.view(torch.int16)) and torch.equal(mm, ref_st[1])
-                fn = bound_launch(w, dy_t, x, st, _hp(), rule, config=c, ekey=ekey)
-                ms = do_bench(fn, warmup=10, rep=rep, return_mode="median")
+                ms, ok, ck = _exact_then_time(
+                    lambda st, grad: bound_launch(w, dy_t, x, st, _hp(), rule, grad, config=c, ekey=ekey),
+                    w, mm, v, rule, ekey, rep)
                 cells.append(f"{c} {ms:.3f}{'' if ok else ' WRONG'} r{ck.n_regs}s{ck.n_spills}")
             except Exception as e:  # noqa: BLE001 -- a config that does not build here
                 cells.append(f"{c} failed ({type(e).__name__})")

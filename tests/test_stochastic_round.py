@@ -241,7 +241,7 @@ def test_gluon_render_rounded(epi):
 
     wg = _gluon()
     ep = compile_epilogue(get_rule(ADAMW), "cuda")
-    plain, rounded = wg.render_gluon_source(ep, epi), wg.render_gluon_source(ep, epi, rounded=True)
+    plain, rounded = wg.render_gluon_source(ep, epi), wg.render_gluon_source(ep, epi, rounded=4)
     ast.parse(rounded)
     # off, the module carries nothing of it
     assert "EKEY" not in plain and "_sround_bits" not in plain and "_as_elem" not in plain
@@ -261,7 +261,7 @@ def test_gluon_render_rounded(epi):
         wg.render_gluon_source(ep, epi, rounded=2)
     for bad in (dict(epi="tma"), dict(epi="vec"), dict(epi=epi, table=True), dict(epi=epi, extra=True)):
         with pytest.raises(wg.GluonUnsupported):
-            wg.render_gluon_source(ep, rounded=True, **bad)
+            wg.render_gluon_source(ep, rounded=4, **bad)
 
 
 def test_gluon_bits_spelled_as_the_triton_ones():

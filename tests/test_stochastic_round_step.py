@@ -24,35 +24,28 @@ def _adamw_hparams(opt):
     return [torch.tensor(v, dtype=torch.float64) for v in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])]
 
 
-def _linear_step(model, opt):
-    # loss = sum(c * y): dY = c (as bf16) exactly, so the step's fp32 dW is dY^T X computed in fp32
-    def step(x, c):
-        loss = (model(x).float() * c).sum()
+def _step(model, opt, loss_fn):
+    # a train step on loss_fn(fp32 output, target)
+    def step(x, y):
+        loss = loss_fn(model(x).float(), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
     return step
+
+
+def _linear_step(model, opt):
+    # loss = sum(c * y): dY = c (as bf16) exactly, so the step's fp32 dW is dY^T X computed in fp32
+    return _step(model, opt, lambda y, c: (y * c).sum())
 
 
 def _mse_step(model, opt):
-    def step(x, y):
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
+    return _step(model, opt, F.mse_loss)
 
 
 def _lm_step(model, opt):
-    def step(x, y):
-        loss = lm_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
+    return _step(model, opt, lm_loss)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]

@@ -80,7 +80,7 @@ __all__ = ["use_gluon", "gluon_reason", "try_launch", "launch", "bound_launch", 
            "GluonUnsupported", "GConfig", "pick_gconfig", "gconfig_smem", "chunk_bytes", "ring_budget", "ENV",
            "AUTO_GLUON", "vec_config", "VEC_STAGES", "smem_config", "SMEM_STAGES",
            "smem_ahead", "SMEM_AHEAD_REGS", "gemm_config", "gemm_sums_shape", "split_config",
-           "SPLIT_STAGES", "pick_for", "POINTER_EPIS", "EXTRA_ENV", "SR_ROW_VEC"]
+           "SPLIT_STAGES", "pick_for", "POINTER_EPIS", "EXTRA_ENV", "SR_ROW_VEC", "takes_rounded"]
 
 ENV = "FORGE_WGRAD_KERNEL"   # auto | gluon | triton
 # What "auto" picks on sm_90 when the Gluon path can take the launch (H200, benchmarks/NOTES_kernel.md v5-v6):
@@ -1310,16 +1310,18 @@ _EXTRA_ADD_AT = """
 
 
 def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, extra: bool = False,
-                        rounded: bool | int = False) -> str:
+                        rounded: int = 0) -> str:
     """The Gluon kernel module for one rule's epilogue (raises GluonUnsupported): ``epi`` "tma" the TMA-ring
     epilogue, "vec" the vector-load one (v10), "smem" dW through smem (v11), "split" one MMA and two epilogue
     warpgroups (v12), "gemm" the overlap diagnostic (the tma kernel's GEMM schedule, per-tile row sums of dW
     instead of the update; the rule's text is in the module but never called). ``table``: the rule scalars are read
     from a device pointer ``scal_ptr`` (epilogue_codegen.scalar_fields) instead of taken as arguments. ``extra``
     (smem, split): a tied embedding's gradient rows added to dW (_EXTRA_FN). ``rounded`` (smem, split): a bf16
-    weight stored stochastically rounded (render_fields)."""
+    weight stored stochastically rounded, 4 or 8 elements per thread (render_fields); 0 off."""
     if extra and epi not in ("smem", "split"):
         raise GluonUnsupported(f"tied embedding rows in the {epi!r} epilogue")
+    if rounded not in (0, 4, 8):
+        raise ValueError(f"rounded={rounded!r}: 0 (off), or 4 or 8 elements per thread")
     if rounded and (epi not in ("smem", "split") or table or extra):
         raise GluonUnsupported(f"stochastic rounding in the {epi!r} epilogue{' with a scalar table' if table else ''}"
                                f"{' with tied embedding rows' if extra else ''}")
@@ -1387,13 +1389,6 @@ def _common_fields(ep: Epilogue, table: bool) -> dict:
     )
 
 
-def _sr_vec(rounded) -> int:
-    # render_fields' ``rounded``: False/0 off; True or 4: 4 elements per thread; 8: 8 per thread
-    if rounded not in (False, True, 0, 4, 8):
-        raise ValueError(f"rounded={rounded!r}: 0 (off), 4 or 8 elements per thread (True: 4)")
-    return 4 if rounded is True else int(rounded)
-
-
 # Elements per thread of a rounded kernel's bf16 W/state loads: 4 (8-byte vectors) is the layout GPU-run in stop 36
 # (bitwise the spec, RESULTS.md "Gluon run 1"); 8 (16-byte vectors, predicted faster: twice the bytes per load in
 # flight) compiles for sm_90 without spills but has NOT run on a GPU -- set 8 once tests/test_stochastic_round.py's
@@ -1401,11 +1396,11 @@ def _sr_vec(rounded) -> int:
 SR_ROW_VEC = 4
 
 
-def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: bool | int = False) -> dict:
+def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: int = 0) -> dict:
     """The names the smem-epilogue modules (_HEAD + _SMEM_EPI + a kernel after them) are formatted with; the
     grouped kernel (wgrad_update_group) is rendered with them too.
 
-    ``rounded``: stochastic rounding (stochastic_round.py; True or 4 / 8: elements per thread of the loads, _sr_vec).
+    ``rounded``: stochastic rounding (stochastic_round.py) with 4 or 8 bf16 elements per thread (SR_ROW_VEC); 0 off.
     W is bf16, the tensor states bf16 or fp32; both are
     loaded into fp32 (the rule runs on fp32 as for fp32 tensors), the new W is stored as _sround_bits of its
     element offset and the key EKEY (an int32 argument after the rule's scalars, threaded with them, so the rule
@@ -1428,7 +1423,7 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounde
     # rounded == 8: 8 elements per thread, 16-byte vectors of the bf16 W/states, 16 threads per 128-column row and
     # two rows per warp (SR_ROW_VEC); 4 (and fp32 always): 4 per thread, 32 per row -- 8-byte bf16 loads, half the
     # bytes in flight per instruction (H100 Gluon SR run 1: 2.2-2.5x its floor at M <= 1024)
-    row_vec, row_tpr, row_tpc = (8, 2, 16) if _sr_vec(rounded) == 8 else (4, 1, 32)
+    row_vec, row_tpr, row_tpc = (8, 2, 16) if rounded == 8 else (4, 1, 32)
     return dict(
         **common,
         ekey_param="EKEY, " if rounded else "",
@@ -2017,13 +2012,18 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
         return "N and K must be multiples of 8 (16-byte TMA row strides)"
     tensor_states = split_states(rule, states, table)[0]
     epi = [weight, *tensor_states]
-    ok = (torch.float32, torch.bfloat16) if rounded else (torch.float32,)
+    if rounded:
+        # dtypes as the Triton kernel takes them: a bf16 weight, bf16/fp32 states, fp32 dW the only side output
+        from .wgrad_update_triton import check_low_precision
+
+        try:
+            check_low_precision(weight, tensor_states, side_out, ekey)
+        except ValueError as e:
+            return f"stochastic rounding: {e}"
     for t in epi:
-        if t.dtype not in ok or not t.is_contiguous() or t.shape != weight.shape or t.device != dev:
-            return ("weight/states must be contiguous fp32 [N, K] on the weight's device" if not rounded else
-                    "stochastic rounding: weight/states must be contiguous bf16 or fp32 [N, K] on the weight's device")
-    if rounded and (weight.dtype != torch.bfloat16 or (side_out is not None and side_out.dtype != torch.float32)):
-        return "stochastic rounding: a bf16 weight, and dW (fp32) as the only side output"
+        if ((t.dtype != torch.float32 and not rounded) or not t.is_contiguous() or t.shape != weight.shape
+                or t.device != dev):
+            return "weight/states must be contiguous fp32 [N, K] on the weight's device"
     if side_out is not None:
         try:
             check_side_out(side_out, weight)
@@ -2081,17 +2081,9 @@ def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False
     """``pick_gconfig`` for a launch streaming ``n_load`` fp32 arrays (W, tensor states) with side output ``mode``
     (wgrad_update_triton.side_mode). The cast copy adds 2-byte stores, not a streamed array: the pick of the
     arrays read, on a pointer epilogue (the smem kernel where that pick is the TMA ring; not measured). ``extra``
-    (a tied embedding's rows) or ``rounded`` (stochastic rounding, render_fields): the smem or split kernel,
-    likewise -- the split kernel's pick without its L2 prefetch (written for 4-byte rows)."""
+    (a tied embedding's rows): the smem or split kernel, likewise. ``rounded`` (stochastic rounding): _pick_rounded."""
     if rounded:
-        # H100 sweep (RESULTS.md "bf16 weights with stochastic rounding", Gluon run 1, AdamW 4096x4096): the smem
-        # kernel with one chunk ahead was the fastest at M = 256 and 1024 (0.104 / 0.134 ms vs 0.116 / 0.141 for
-        # the fp32 picks), the split kernel at 2048 (hoist) and 8192
-        if m <= _SR_SMEM_M:
-            cfg = smem_config(ahead=1)
-        else:
-            cfg = split_config(hoist=m <= _SPLIT_HOIST_M)
-        return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
+        return _pick_rounded(m, act_bytes)
     if mode != SIDE_CAST and not extra:
         return pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
     cfg = pick_gconfig(m, n_load + (mode == SIDE_GRAD), act_bytes)
@@ -2104,9 +2096,25 @@ def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False
     return cfg if gconfig_smem(cfg, n_load, act_bytes) <= _RING_SMEM else None
 
 
+@functools.lru_cache(maxsize=1024)    # as pick_gconfig: called twice per launch
+def _pick_rounded(m: int, act_bytes: int) -> GConfig | None:
+    # H100 sweep (RESULTS.md "bf16 weights with stochastic rounding", Gluon run 1, AdamW 4096x4096): the smem kernel
+    # with one chunk ahead was the fastest at M = 256 and 1024 (0.104 / 0.134 ms vs 0.116 / 0.141 for the fp32
+    # picks), the split kernel at 2048 (hoist) and 8192; neither kernel's smem depends on the arrays streamed
+    cfg = smem_config(ahead=1) if m <= _SR_SMEM_M else split_config(hoist=m <= _SPLIT_HOIST_M)
+    return cfg if gconfig_smem(cfg, 0, act_bytes) <= _RING_SMEM else None
+
+
 def _auto_keeps_triton(rule: Rule) -> bool:
     ep = _source_for(rule)[0]
     return ep is None or any(op in ep.body for op in _AUTO_TRITON_OPS)
+
+
+def takes_rounded(device: torch.device, n: int, k: int) -> bool:
+    """Whether a stochastically rounded update of an [n, k] weight on ``device`` goes to this kernel, judged before
+    any tensor exists (the pattern pass: wgrad_update_pattern.sr_fused_max_tokens): sm_90 with gluon, the Gluon
+    path not switched off (FORGE_WGRAD_KERNEL=triton), 16-byte rows. gluon_reason decides each launch."""
+    return n % 8 == 0 and k % 8 == 0 and _mode() != "triton" and _device_ok(device) and gluon_available()
 
 
 def use_gluon(weight, dy_t, x, states, rule: Rule, side_out=None, table=None) -> bool:
@@ -2211,7 +2219,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         opts = dict(GROUP=cfg.group, STAGES=cfg.stages, CONSUMER_REGS=cfg.cregs, num_warps=4, maxnreg=cfg.maxnreg)
         return kernel, grid, (dy_desc, x_desc, sums, m, n, k), opts, [], []
     if cfg.epi in ("smem", "split"):
-        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None, _sr_vec(SR_ROW_VEC) if rounded else 0)
+        kernel = _kernel_for(rule, cfg.epi, tabled, extra is not None, SR_ROW_VEC if rounded else 0)
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, *rows_args, side_out if side_out is not None else weight,

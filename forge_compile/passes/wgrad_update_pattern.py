@@ -515,14 +515,10 @@ SR_GLUON_MAX_TOKENS = 4096
 
 def sr_fused_max_tokens(w) -> int:
     """The token limit of a fused rounded update of ``w`` (a CUDA weight, possibly fake): SR_GLUON_MAX_TOKENS where
-    the Gluon kernel would take it (sm_90 with gluon, not forced to Triton, N and K multiples of 8), else
-    SR_FUSED_MAX_TOKENS."""
+    the Gluon kernel would take it (wgrad_update_gluon.takes_rounded), else SR_FUSED_MAX_TOKENS."""
     from ..kernels import wgrad_update_gluon as wg
 
-    n, k = w.shape
-    if n % 8 == 0 and k % 8 == 0 and wg._mode() != "triton" and wg._device_ok(w.device) and wg.gluon_available():
-        return SR_GLUON_MAX_TOKENS
-    return SR_FUSED_MAX_TOKENS
+    return SR_GLUON_MAX_TOKENS if wg.takes_rounded(w.device, *w.shape) else SR_FUSED_MAX_TOKENS
 
 
 def _rounding_unsupported(match: _Match, w) -> Optional[str]:
