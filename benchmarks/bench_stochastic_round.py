@@ -160,7 +160,7 @@ def _exact_then_time(make, w, mm, v, rule, ekey, rep):
     return do_bench(make(st, None), warmup=10, rep=rep, return_mode="median"), ok, first
 
 
-def sweep(n, k, tokens, rep, triton_too=False):
+def sweep(n, k, tokens, rep, triton_too=False, vecs=(8,)):
     """Gluon smem/split configs (GLUON_SWEEP; sm_90) -- and with ``triton_too`` every GPU config of the Triton
     template (TMA configs take the pointer epilogue here) -- on the bf16 SR update: ms, the bitwise check of each
     config (Triton: registers, spills)."""
@@ -177,7 +177,7 @@ def sweep(n, k, tokens, rep, triton_too=False):
 
             pick = wg.pick_for(m, 3, 2, SIDE_GRAD, rounded=True)
             vec0 = wg.SR_ROW_VEC
-            for vec, (name, epi, kw) in [(v, c) for v in (4, 8) for c in GLUON_SWEEP]:
+            for vec, (name, epi, kw) in [(v, c) for v in vecs for c in GLUON_SWEEP]:
                 wg.SR_ROW_VEC = vec     # elements per thread of the bf16 loads (v4: 8-byte, v8: 16-byte vectors)
                 name = f"{name} v{vec}"
                 try:
@@ -211,25 +211,32 @@ def main():
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--sweep", action="store_true",
-                    help="the Gluon smem/split configs on the first shape (sm_90), then stop")
+                    help="the Gluon smem/split configs on each shape (sm_90), then stop")
     ap.add_argument("--sweep-triton", action="store_true", help="with --sweep: every Triton config too")
     ap.add_argument("--row-vec", type=int, choices=[4, 8], default=None,
                     help="elements per thread of the Gluon kernel's bf16 loads (wgrad_update_gluon.SR_ROW_VEC)")
-    ap.add_argument("--memo", action="store_true",
-                    help="rounded launches through launch_memo (wgrad_update_triton.SR_MEMO) for the call column")
+    ap.add_argument("--sweep-vecs", default=None,
+                    help="with --sweep: the load widths swept, e.g. 4,8 (default: SR_ROW_VEC's)")
+    ap.add_argument("--memo", choices=["on", "off"], default=None,
+                    help="rounded launches through launch_memo or not (wgrad_update_triton.SR_MEMO, default on) for "
+                         "the call column")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.row_vec is not None:
         from forge_compile.kernels import wgrad_update_gluon as wg
 
         wg.SR_ROW_VEC = args.row_vec
-    if args.memo:
+    if args.memo is not None:
         from forge_compile.kernels import wgrad_update_triton as wt
 
-        wt.SR_MEMO[0] = True
+        wt.SR_MEMO[0] = args.memo == "on"
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.sweep:
-        sweep(*shapes[0], tokens, args.rep, args.sweep_triton)
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        vecs = [int(v) for v in args.sweep_vecs.split(",")] if args.sweep_vecs else [wg.SR_ROW_VEC]
+        for n, k in shapes:
+            sweep(n, k, tokens, args.rep, args.sweep_triton, vecs)
         return
     rows = []
     for n, k in shapes:

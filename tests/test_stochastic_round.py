@@ -291,11 +291,16 @@ def test_gluon_rounded_selection(fake_sm90):
     rows = (torch.zeros(96, 128), torch.full((256,), -1, dtype=torch.int32))
     assert "tied" in wg.gluon_reason(w, dy_t, x, st, rule, extra=rows, ekey=ekey)
     # the pick: the smem or split kernel at every M, rule size and side output, no L2 prefetch
-    for m in (64, 256, 512, 1024, 2048, 8192):
+    for m in (64, 256, 512, 1024, 2048, 4096, 8192):
         for n_load in (1, 2, 3):
             for mode in (SIDE_NONE, SIDE_GRAD):
                 cfg = wg.pick_for(m, n_load, 2, mode, rounded=True)
                 assert cfg.epi in ("smem", "split") and cfg.l2pf == 0, (m, n_load, cfg)
+    # the measured picks (RESULTS.md "Gluon run 2"): smem one chunk ahead hoisted up to 1024 tokens, split hoisted to
+    # 2048, split 16 rows two ahead hoisted to 4096, the plain split kernel above
+    assert [(c.epi, c.ahead, c.hoist) for c in (wg.pick_for(m, 3, 2, SIDE_GRAD, rounded=True)
+                                                 for m in (256, 1024, 2048, 4096, 8192))] == [
+        ("smem", 1, True), ("smem", 1, True), ("split", 4, True), ("split", 2, True), ("split", 4, False)]
     # a rounded kernel that failed to build sends rounded launches alone to Triton
     wg._BROKEN[wg._broken_key(rule, True)] = "test"
     try:
@@ -315,7 +320,7 @@ def _sm90() -> bool:
 sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU with triton.experimental.gluon")
 
 
-# both load widths of the rounded kernels (wgrad_update_gluon.SR_ROW_VEC: 4 GPU-run, 8 not yet), indirect
+# both load widths of the rounded kernels (wgrad_update_gluon.SR_ROW_VEC: 8 the default, 4 stop 36's), indirect
 ROW_VECS = pytest.mark.parametrize("row_vec", [4, 8], ids=["v4", "v8"], indirect=True)
 
 
@@ -326,22 +331,25 @@ def row_vec(request, monkeypatch):
 
 
 @sm90
-@pytest.mark.parametrize("layout", ["smem", "split", "split_hoist"])
+@pytest.mark.parametrize("layout", ["smem", "smem_a1h", "split", "split_hoist", "split_r16a2h"])
 @pytest.mark.parametrize("rule_name", [ADAMW, SGDM, LION], ids=["adamw", "sgdm", "lion"])
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
 @ROW_VECS
 def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype, row_vec):
     # N, K not multiples of the 128 tile, M not one of the 64-token stage; several tiles per CTA
     wg = _gluon()
-    cfg = {"smem": wg.smem_config(), "split": wg.split_config(), "split_hoist": wg.split_config(hoist=True)}[layout]
+    # every config _pick_rounded takes (smem_a1h, split_hoist, split_r16a2h, split) and the smem default
+    cfg = {"smem": wg.smem_config(), "smem_a1h": wg.smem_config(ahead=1, hoist=True), "split": wg.split_config(),
+           "split_hoist": wg.split_config(hoist=True),
+           "split_r16a2h": wg.split_config(rows=16, ahead=2, hoist=True)}[layout]
     _check_exact(rule_name, 1000, 776, 333, "cuda", state_dtype, gconfig=cfg, max_ctas=5)
 
 
 @sm90
-@pytest.mark.parametrize("m", [256, 2048, 8192])
+@pytest.mark.parametrize("m", [256, 2048, 4096, 8192])
 @ROW_VECS
 def test_gluon_kernel_exact_full_layer(m, row_vec):
-    # the picks (smem at M <= 512, split above) on a 4096x4096 layer
+    # each of _pick_rounded's four picks on a 4096x4096 layer
     from forge_compile.kernels.wgrad_update_triton import SIDE_GRAD
 
     cfg = _gluon().pick_for(m, 3, 2, SIDE_GRAD, rounded=True)

@@ -230,9 +230,10 @@ def test_fp32_parameters_unaffected():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_large_token_counts_round_unfused():
-    # above sr_fused_max_tokens (2048 for the Triton kernel, 4096 where the Gluon kernel takes the launch) the fused
+def test_cuda_large_token_counts_round_unfused(monkeypatch):
+    # above sr_fused_max_tokens (2048 for the Triton kernel, 8192 where the Gluon kernel takes the launch) the fused
     # bf16 update is slower than cuBLAS + the rounded update: left unfused with the reason, rounded the same way
+    monkeypatch.delenv("FORGE_SR_MAX_TOKENS", raising=False)
     from forge_compile.kernels import wgrad_update_gluon as wg
     from forge_compile.passes.wgrad_update_pattern import (SR_FUSED_MAX_TOKENS, SR_GLUON_MAX_TOKENS,
                                                            sr_fused_max_tokens)
@@ -250,6 +251,22 @@ def test_cuda_large_token_counts_round_unfused():
         assert rep.rows[0].fused == fused, rep
         if not fused:
             assert f"at {m} tokens" in rep.rows[0].reason and "rounded stochastically" in rep.rows[0].reason
+    # FORGE_SR_MAX_TOKENS moves the limit: the same token count fuses in a step compiled under it
+    monkeypatch.setenv("FORGE_SR_MAX_TOKENS", str(2 * limit))
+    step2 = forge.compile_train_step(_linear_step(model, opt), stochastic_rounding=True)
+    x = torch.randn(2 * limit, 64, device="cuda").to(torch.bfloat16)
+    assert forge.explain(step2, x, torch.randn(2 * limit, 64, device="cuda")).rows[0].fused
+
+
+def test_sr_max_tokens_env(monkeypatch):
+    # the override is read at each decision (a plain CPU tensor: no Gluon check is reached) and must be an integer
+    from forge_compile.passes.wgrad_update_pattern import sr_fused_max_tokens
+
+    monkeypatch.setenv("FORGE_SR_MAX_TOKENS", "123")
+    assert sr_fused_max_tokens(torch.empty(8, 8)) == 123
+    monkeypatch.setenv("FORGE_SR_MAX_TOKENS", "lots")
+    with pytest.raises(ValueError, match="FORGE_SR_MAX_TOKENS"):
+        sr_fused_max_tokens(torch.empty(8, 8))
 
 
 def test_cpp_wrapper_rounds_the_same():

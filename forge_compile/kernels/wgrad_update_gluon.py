@@ -1389,11 +1389,10 @@ def _common_fields(ep: Epilogue, table: bool) -> dict:
     )
 
 
-# Elements per thread of a rounded kernel's bf16 W/state loads: 4 (8-byte vectors) is the layout GPU-run in stop 36
-# (bitwise the spec, RESULTS.md "Gluon run 1"); 8 (16-byte vectors, predicted faster: twice the bytes per load in
-# flight) compiles for sm_90 without spills but has NOT run on a GPU -- set 8 once tests/test_stochastic_round.py's
-# Gluon tests (which run both) pass on one and bench_stochastic_round.py --sweep measures it.
-SR_ROW_VEC = 4
+# Elements per thread of a rounded kernel's bf16 W/state loads: 8 (16-byte vectors, ROWS_L [1,8] x [2,16]) -- GPU-run
+# in stop 37 (H100: tests/test_stochastic_round.py's Gluon tests bitwise the spec at 4 and 8; the sweep 0-5 % faster
+# than 4 at M = 256-4096, RESULTS.md "Gluon run 2"); 4 (8-byte vectors) is stop 36's layout, still built and tested.
+SR_ROW_VEC = 8
 
 
 def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounded: int = 0) -> dict:
@@ -1631,8 +1630,10 @@ def pick_gconfig(m: int, n_arrays: int, act_bytes: int = 2) -> GConfig | None:
     return _pick_tma(m, n_arrays, act_bytes)
 
 
-# stochastic rounding (pick_for): the largest M that takes the smem kernel
+# stochastic rounding (_pick_rounded): the largest M that takes the smem kernel; the largest that takes the split
+# kernel with 16 rows two chunks ahead
 _SR_SMEM_M = 1024
+_SR_SPLIT16_M = 4096
 # arrays streamed -> the largest M that does NOT take the split kernel (pick_gconfig)
 _SPLIT_M = {3: 512, 2: 1024}
 # the largest M whose split kernel takes hoist=True: two H100 runs (stop 24, RESULTS.md "L2 prefetch of the next tile
@@ -2098,10 +2099,19 @@ def pick_for(m: int, n_load: int, act_bytes: int, mode: int, extra: bool = False
 
 @functools.lru_cache(maxsize=1024)    # as pick_gconfig: called twice per launch
 def _pick_rounded(m: int, act_bytes: int) -> GConfig | None:
-    # H100 sweep (RESULTS.md "bf16 weights with stochastic rounding", Gluon run 1, AdamW 4096x4096): the smem kernel
-    # with one chunk ahead was the fastest at M = 256 and 1024 (0.104 / 0.134 ms vs 0.116 / 0.141 for the fp32
-    # picks), the split kernel at 2048 (hoist) and 8192; neither kernel's smem depends on the arrays streamed
-    cfg = smem_config(ahead=1) if m <= _SR_SMEM_M else split_config(hoist=m <= _SPLIT_HOIST_M)
+    # H100 sweep at 16-byte loads (RESULTS.md "bf16 weights with stochastic rounding", Gluon run 2, AdamW 4096x4096):
+    # the smem kernel with one chunk ahead and hoisted chunk bases was the fastest at M = 256 and 1024 (0.095 / 0.125
+    # ms vs 0.102 / 0.133 without hoist, run 1's pick), the split kernel with hoist at 2048 (r8a4h 0.163) and, with 16
+    # rows two ahead, at 4096 (r16a2h 0.244 vs r8a4 0.259); at 8192 the split kernel as the fp32 pick (run 1's sweep).
+    # Neither kernel's smem depends on the arrays streamed
+    if m <= _SR_SMEM_M:
+        cfg = smem_config(ahead=1, hoist=True)
+    elif m <= _SPLIT_HOIST_M:
+        cfg = split_config(hoist=True)
+    elif m <= _SR_SPLIT16_M:
+        cfg = split_config(rows=16, ahead=2, hoist=True)
+    else:
+        cfg = split_config()
     return cfg if gconfig_smem(cfg, 0, act_bytes) <= _RING_SMEM else None
 
 

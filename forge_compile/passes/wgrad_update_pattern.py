@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import Counter
 from typing import Optional
 
@@ -508,16 +509,28 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
 # (sr_fused_max_tokens); unfused, cuBLAS's bf16 dW feeds the same rounded update compiled by Inductor. H100, AdamW,
 # vs torch's bf16 mm + fused AdamW (benchmarks/RESULTS.md "bf16 weights with stochastic rounding"): the Triton
 # kernel, whose GEMM is the slow part at large M, 0.84-0.99x at M <= 2048 and 0.43-0.52x at 4096 / 8192; on sm_90
-# the Gluon smem/split kernel, 0.95-1.12x at M <= 4096 and 0.91-0.93x at 8192 (its first run, 8-byte loads).
+# the Gluon smem/split kernel, 1.07-1.40x at M <= 4096, 0.89-1.07x at 8192 and 0.86-0.99x at 16384 (Gluon run 2,
+# 16-byte loads, 7 shapes). Its limit is 8192 because end to end (bench_train_step --quick --bf16-weights, 8192
+# tokens, H100) the step fused 0.99x the baseline at 3303 MiB and unfused 0.96x at 3553 MiB: forge's unfused rounded
+# update is no faster than the fused one there and holds every dW. Above 8192 neither was measured end to end.
+# FORGE_SR_MAX_TOKENS=<int> replaces both (e.g. to fuse at any token count: the memory of dW saved at some speed).
 SR_FUSED_MAX_TOKENS = 2048
-SR_GLUON_MAX_TOKENS = 4096
+SR_GLUON_MAX_TOKENS = 8192
+SR_MAX_TOKENS_ENV = "FORGE_SR_MAX_TOKENS"
 
 
 def sr_fused_max_tokens(w) -> int:
-    """The token limit of a fused rounded update of ``w`` (a CUDA weight, possibly fake): SR_GLUON_MAX_TOKENS where
-    the Gluon kernel would take it (wgrad_update_gluon.takes_rounded), else SR_FUSED_MAX_TOKENS."""
+    """The token limit of a fused rounded update of ``w`` (a CUDA weight, possibly fake): FORGE_SR_MAX_TOKENS if set,
+    else SR_GLUON_MAX_TOKENS where the Gluon kernel would take it (wgrad_update_gluon.takes_rounded), else
+    SR_FUSED_MAX_TOKENS."""
     from ..kernels import wgrad_update_gluon as wg
 
+    env = os.environ.get(SR_MAX_TOKENS_ENV, "").strip()
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"forge: {SR_MAX_TOKENS_ENV}={env!r} is not an integer") from None
     return SR_GLUON_MAX_TOKENS if wg.takes_rounded(w.device, *w.shape) else SR_FUSED_MAX_TOKENS
 
 
