@@ -220,8 +220,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
     """The route's train step; ``inductor_options`` (torch.compile's Inductor options) go to every compiled route;
     ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route;
     ``accum``: the batch split into that many micro-batches, forward + backward each (loss / accum), the gradients
-    accumulated, then one update -- in every route; ``stochastic_rounding``: the compile_train_step routes round bf16
-    weights stochastically (--bf16-weights)."""
+    accumulated, then one update -- in every route; ``stochastic_rounding``: the forge routes round bf16 weights
+    stochastically (--bf16-weights; the backend routes their fused weights, opt.step() the rest to nearest)."""
     accum = max(1, int(accum or 1))
     io = dict(inductor_options or {})
     params = list(wl.parameters())
@@ -254,7 +254,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
         import forge_compile  # noqa: F401  (registers backend="forge")
         if route == "backend_graphs":
             io = {"triton.cudagraphs": True, **io}
-        cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **io})
+        sr = {"stochastic_rounding": True} if stochastic_rounding else {}
+        cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **sr, **io})
     elif route == "baseline":
         cm = torch.compile(wl, dynamic=False, options=io or None)
     elif route == "baseline_graphs":
@@ -1092,7 +1093,7 @@ def parse_args(argv):
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters and AdamW states, no autocast, no fp32 master weights: the baseline is "
                         "torch.optim's bf16 AdamW (round to nearest), the compile_train_step routes round stochastically "
-                        "(stochastic_rounding=True)")
+                        "(stochastic_rounding=True), the backend routes their fused weights")
     p.add_argument("--tf32", action="store_true",
                    help="with --fp32: torch.set_float32_matmul_precision('high') in every run (TF32 matmuls)")
     p.add_argument("--budget-gib", type=float, help="memory budget; default: anchored on the baseline (below)")

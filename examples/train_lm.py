@@ -305,7 +305,7 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
     route step replayed as one CUDA graph; ``recompute_weight_copies``, ``cast_weights_in_update``: see
     forge.compile_train_step; ``clip_grad_norm``: clip_grad_norm_(model.parameters(), it) before opt.step();
     ``grad_accum``: the batch split into that many passes, forward + backward each, the gradients accumulated
-    before the one update; ``stochastic_rounding``: route step rounds the bf16 weights stochastically)."""
+    before the one update; ``stochastic_rounding``: routes step and backend round the bf16 weights stochastically)."""
     def passes(x, y):
         return zip(x.chunk(grad_accum), y.chunk(grad_accum))
 
@@ -342,7 +342,9 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
                              "torch.compile(model, backend='forge', options={'optimizer': opt})), which this "
                              "version of forge_compile does not have yet; use --route step or --route off")
         import forge_compile.backend  # noqa: F401  (registers backend="forge")
-        cmodel = torch.compile(model, backend="forge", options={"optimizer": opt})
+        # stochastic_rounding (--bf16-weights): the fused bf16 weights rounded stochastically, the rest by opt.step()
+        cmodel = torch.compile(model, backend="forge", options={"optimizer": opt,
+                                                                "stochastic_rounding": stochastic_rounding})
     elif route == "off":
         cmodel = torch.compile(model)
     else:
@@ -474,10 +476,7 @@ def train(args):
     train_data, val_data, desc = load_data(args)
     model = build_model(args).to(device)
     if args.bf16_weights:
-        # no fp32 master weights: 2-byte weights and AdamW states; route step rounds them stochastically
-        if args.route == "backend":
-            raise SystemExit("--bf16-weights needs --route step (stochastic rounding) or off (torch.optim's bf16 "
-                             "arithmetic, round to nearest)")
+        # no fp32 master weights: 2-byte weights and AdamW states; routes step and backend round them stochastically
         model = model.to(torch.bfloat16)
     opt = make_optimizer(model, args)
     sched = make_scheduler(opt, args)
@@ -515,6 +514,10 @@ def train(args):
     if args.bf16_weights and args.route == "step":
         # the rounding's random bits follow the step's call count: a resumed run goes on from its step
         train_step.round_calls = start
+    elif args.bf16_weights and args.route == "backend":
+        from forge_compile.backend import set_round_calls
+
+        set_round_calls(opt, start)
     stop = min(args.steps, args.stop_after) if args.stop_after else args.steps
     # Steps left out of tokens/s: compilation (first step) and warm-up; at least one step is always timed.
     untimed = min(args.untimed_steps, max(0, stop - start - 1))
@@ -729,8 +732,9 @@ def parse_args(argv):
                    help="clip_grad_norm_(model.parameters(), MAX) before each opt.step() (routes step and off)")
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters and AdamW states, no fp32 master weights; route step rounds every update "
-                        "stochastically (compile_train_step(stochastic_rounding=True)), route off is torch.optim's bf16 "
-                        "arithmetic (round to nearest)")
+                        "stochastically (compile_train_step(stochastic_rounding=True)), route backend its fused "
+                        "weights' (options stochastic_rounding=True; the rest by opt.step()), route off is "
+                        "torch.optim's bf16 arithmetic (round to nearest)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="split each batch into K passes, backward() each, one opt.step() (routes step and off; "
                         "route step fuses a weight where all passes' dY and X are at most half its fp32 dW)")

@@ -56,6 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
+from .kernels.stochastic_round import round_key
 from .kernels.wgrad_update import triton_on_cpu
 from .kernels.wgrad_update_triton import split_states
 from .passes.scalar_table import fill_table, use_scalar_table
@@ -68,7 +69,8 @@ from .report import FusionReport
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["forge_backend", "last_report", "last_reports", "clear_reports", "last_graphs", "counters"]
+__all__ = ["forge_backend", "last_report", "last_reports", "clear_reports", "last_graphs", "counters",
+           "set_round_calls"]
 
 _NOTE_SEMANTICS = (
     "fused weights are updated inside loss.backward(): their .grad stays None, so clip_grad_norm_ and "
@@ -145,6 +147,9 @@ class _StepTracker:
         self.deferred: set = set()
         self.comps: "weakref.WeakSet" = weakref.WeakSet()
         self.hooked = WeakIdKeyDictionary()     # fused parameters with the late-gradient check
+        # optimizer.step() calls seen: the stochastic-rounding key's counter (round_key(seed, steps)), so every
+        # backward of one step rounds with the same key, salted per parameter, and the next step with a new one
+        self.steps = 0
 
 
 def _late_gradient_hook(tracker: _StepTracker, name: str):
@@ -171,6 +176,7 @@ _TRACKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _after_any_step(opt, args, kwargs):
     t = _TRACKERS.get(opt)
     if t is not None:
+        t.steps += 1
         t.updated.clear()
         t.deferred.clear()
         for c in t.comps:
@@ -181,6 +187,13 @@ def _after_any_step(opt, args, kwargs):
 # translation warns about; marked so that compile_train_step, which refuses a user's step hooks, skips it.
 _after_any_step._forge_internal = True
 _STEP_HOOK = register_optimizer_step_post_hook(_after_any_step)
+
+
+def set_round_calls(optimizer, calls: int) -> None:
+    """stochastic_rounding: the count of ``optimizer.step()`` calls the next step's key is made from (it counts from
+    0 in each process): a run resumed at step ``calls`` sets it to draw the bits the uninterrupted run would have
+    (compile_train_step's ``round_calls`` attribute, for this route)."""
+    _tracker(optimizer).steps = int(calls)
 
 
 def _tracker(opt) -> _StepTracker:
@@ -345,8 +358,10 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries, table=None):
+    def __init__(self, opt, entries, table=None, rounding=None):
         self.opt = opt
+        # stochastic rounding: (seed, the 0-dim int64 key tensor appended last, filled before each backward)
+        self.rounding = rounding
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
         self.cache = StateCache()
@@ -373,6 +388,10 @@ class _Extras:
             # the scalars as a normal launch would get them; the scalar states advance here
             fill_table(self.table, [(e.rule, e.states, e.hparams.tensors) for e in self.table_rows])
             out.append(self.table)
+        if self.rounding is not None:
+            seed, key = self.rounding
+            key.fill_(round_key(seed, _tracker(self.opt).steps))
+            out.append(key)
         return out
 
 
@@ -439,6 +458,12 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies = []
     for n in list(graph.nodes):
+        if n.op == "call_function" and n.target is _ROUNDED:
+            weight, dy_t, x, states, hparams, rule, key, salt = n.args
+            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), hparams=list(hparams), rule=rule,
+                          round_key=key, round_salt=salt)
+            copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
+            continue
         if n.op != "call_function" or n.target not in ops + group_ops:
             continue
         op = n.target
@@ -462,14 +487,33 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
     gm.recompile()
 
 
+_ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
+
+
+def _rounding_note(cands, unfused) -> str | None:
+    """stochastic_rounding: which bf16 parameters of this backward round stochastically, and which do not."""
+    bf16 = [(i, pl) for i, pl in cands if pl.param.dtype == torch.bfloat16]
+    if not bf16:
+        return None
+    fused = sum(i not in unfused for i, _ in bf16)
+    note = (f"stochastic_rounding: {fused} of this backward's {len(bf16)} bf16 parameters are updated by fused "
+            "updates in fp32 from the fp32 dW and stored rounded stochastically")
+    if fused < len(bf16):
+        note += (f"; the other {len(bf16) - fused} are updated by optimizer.step() in torch.optim's bf16 "
+                 "arithmetic (round to nearest: updates below half a bf16 ulp are lost; forge.compile_train_step "
+                 "rounds every bf16 parameter stochastically)")
+    return note
+
+
 # -- the backend -------------------------------------------------------------------------------------
 
 class _Compilation:
     """State shared by the forward and backward compiles of one Dynamo graph."""
 
     def __init__(self, dynamo_gm, example_inputs, optimizer, fuse, dump_dir, inductor_options=None,
-                 scalar_table=False, decline=None):
+                 scalar_table=False, decline=None, sr_seed=None):
         self.optimizer = optimizer
+        self.sr_seed = sr_seed          # stochastic_rounding's seed, or None
         self.decline = decline          # why nothing may be fused (a data-parallel wrapper), or None
         self.scalar_table = scalar_table
         self.inductor_options = dict(inductor_options or {})   # for the unfused variant, compiled later
@@ -481,9 +525,11 @@ class _Compilation:
         self.names = [(_param_name(placeholders[i], f"input{i}") if i < len(placeholders) else f"input{i}")
                       for i in range(len(self.input_ids))]
         self.plans = {}
+        self.salts = {}     # stochastic rounding: a parameter's index in the optimizer salts its bits (as route 1's)
         if optimizer is not None:
-            for pl in plan_optimizer(optimizer):      # raises UnsupportedOptimizerError up front
+            for salt, pl in enumerate(plan_optimizer(optimizer)):      # raises UnsupportedOptimizerError up front
                 self.plans[id(pl.param)] = pl
+                self.salts[id(pl.param)] = salt
         self.forward: _ForwardInfo | None = None
         # optimizer-owned parameters among this graph's inputs, and training forwards run whose
         # backward has not (reset by opt.step()); see _wrap_backward
@@ -563,6 +609,10 @@ class _Compilation:
                 h_nodes = [add_placeholder(f"forge_hparam_{i}_{k}", h) for k, h in enumerate(hps)]
                 ph_of[i] = (w, s_nodes, h_nodes)
                 names[w] = self.names[i]
+            # stochastic rounding: one key input for the graph's bf16 weights (_Extras fills it per step)
+            key_ph = None
+            if self.sr_seed is not None and any(pl.param.dtype == torch.bfloat16 for _, pl in cands):
+                key_ph = add_placeholder("forge_round_key", torch.zeros((), dtype=torch.int64))
 
             # Route the backward's saved views of each candidate W through its W placeholder.
             for ph in placeholders:
@@ -583,8 +633,10 @@ class _Compilation:
             with graph.inserting_before(out_node):
                 for i, pl in cands:
                     w, s_nodes, h_nodes = ph_of[i]
+                    rounding = ((key_ph, self.salts[id(pl.param)])
+                                if key_ph is not None and pl.param.dtype == torch.bfloat16 else ())
                     a = graph.call_function(torch.ops.forge.apply_rule_.default,
-                                            (w, outs[i], s_nodes, h_nodes, pl.rule.name))
+                                            (w, outs[i], s_nodes, h_nodes, pl.rule.name, *rounding))
                     applies[a] = i
             new_outs = list(outs)
             for i, _ in cands:
@@ -617,8 +669,15 @@ class _Compilation:
                         graph.erase_node(w)
                 else:
                     passed.append((pl, True, w))
+            if key_ph is not None and not key_ph.users:
+                graph.erase_node(key_ph)
+                key_ph = None
+            rounding_note = _rounding_note(cands, unfused) if self.sr_seed is not None else None
             table, table_note, grouped_note = None, None, None
-            if self.scalar_table and any(i not in unfused for i, _ in cands):
+            if self.scalar_table and key_ph is not None:
+                table_note = ("scalar_table: not used: stochastically rounded updates take a new key from the host "
+                              "at every step (the backward is not replayed as a CUDA graph)")
+            elif self.scalar_table and any(i not in unfused for i, _ in cands):
                 if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
                     table = self._use_table(gm, cands, unfused, ph_of)
                     table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
@@ -632,7 +691,8 @@ class _Compilation:
             gm.recompile()
 
             extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
-            extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table)
+            extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table,
+                             None if key_ph is None else (self.sr_seed, torch.zeros((), dtype=torch.int64)))
             if table is not None:
                 # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
                 # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
@@ -646,6 +706,8 @@ class _Compilation:
             report.notes.append(_NOTE_SEMANTICS)
         if fused_plans and fp32_note is not None:
             report.notes.append(fp32_note)
+        if rounding_note is not None:
+            report.notes.append(rounding_note)
         if table_note is not None:
             report.notes.append(table_note)
         if grouped_note is not None:
@@ -915,7 +977,7 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
     group_op = torch.ops.forge.wgrad_update_group_.default
     af = _compat.auto_functionalized()
     fused = {n.kwargs["weight"] for n in gm.graph.nodes
-             if n.op == "call_function" and n.target is af and n.args and n.args[0] is op}
+             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED)}
     fused |= {w for n in gm.graph.nodes
               if n.op == "call_function" and n.target is af and n.args and n.args[0] is group_op
               for w in n.kwargs["weights"]}
@@ -924,11 +986,13 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is af and n.args and n.args[0] is op:
+        if n.target is af and n.args and n.args[0] in (op, _ROUNDED):
             kw = n.kwargs
-            lines.append(f"wgrad_update_(W={roles[kw['weight']]}, dy_t={describe(kw['dy_t'])}, "
+            rounded = f", round_key, salt={kw['round_salt']}" if n.args[0] is _ROUNDED else ""
+            lines.append(f"{'wgrad_update_rounded_' if rounded else 'wgrad_update_'}(W={roles[kw['weight']]}, "
+                         f"dy_t={describe(kw['dy_t'])}, "
                          f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
-                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']})")
+                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}{rounded})")
         elif n.target is af and n.args and n.args[0] is group_op:
             kw = n.kwargs
             lines.append(f"wgrad_update_group_(W=[{', '.join(roles[w] for w in kw['weights'])}], "
@@ -954,7 +1018,7 @@ def _op_short(target) -> str:
     return str(target).split(".")[-2] if str(target).startswith("aten.") else getattr(target, "__name__", str(target))
 
 
-_FORGE_OPTIONS = ("optimizer", "fuse", "dump_dir", "scalar_table")
+_FORGE_OPTIONS = ("optimizer", "fuse", "dump_dir", "scalar_table", "stochastic_rounding")
 
 
 def forge_backend(gm, example_inputs, options=None, **kwargs):
@@ -962,7 +1026,10 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
     parameters; without it this is plain Inductor), ``fuse`` (default True), ``dump_dir``, ``scalar_table``
     (the fused updates read their step-dependent scalars from a device table the runtime writes before each
     backward, instead of host arguments: what a CUDA graph of the backward needs; default: on with Inductor's
-    ``triton.cudagraphs``); any other option is an Inductor option, as with ``torch.compile(options=...)`` for
+    ``triton.cudagraphs``), ``stochastic_rounding`` (True or an int seed: fused bf16 weights are updated in fp32
+    from the fp32 dW and stored rounded stochastically, as compile_train_step's option; the key of a step is
+    ``round_key(seed, optimizer.step() calls seen)``, each parameter salted by its index in the optimizer; bf16
+    parameters left unfused are updated by optimizer.step() in bf16, round to nearest); any other option is an Inductor option, as with ``torch.compile(options=...)`` for
     Inductor (``torch._inductor.list_options()``, e.g. ``cpp_wrapper``, ``max_autotune``, ``triton.cudagraphs``),
     applied to every graph forge compiles."""
     opts = dict(options or {})
@@ -987,8 +1054,15 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
             decline = (f"nothing fused: the model runs under {wrapper}, whose gradient synchronisation across "
                        "ranks a fused update would bypass (the Dynamo route does not fuse under data parallelism; "
                        "forge.compile_train_step traces DistributedDataParallel's synchronisation and fuses)")
+    sr = opts.get("stochastic_rounding", False)
+    if sr is None or isinstance(sr, bool):
+        sr_seed = 0 if sr else None
+    elif isinstance(sr, int):
+        sr_seed = sr
+    else:
+        raise TypeError(f"forge backend: stochastic_rounding takes a bool or an int seed, got {type(sr).__name__}")
     comp = _Compilation(gm, example_inputs, optimizer, bool(opts.get("fuse", True)),
-                        opts.get("dump_dir"), inductor_opts, bool(table), decline=decline)
+                        opts.get("dump_dir"), inductor_opts, bool(table), decline=decline, sr_seed=sr_seed)
     return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
 
 

@@ -286,3 +286,124 @@ def test_cpp_wrapper_rounds_the_same():
         s2(x, y)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
     assert sum(r.fused for r in s1.last_report.rows) == 2
+
+
+# -- the Dynamo route: torch.compile(model, backend="forge", options={"optimizer": opt, "stochastic_rounding": ...})
+
+def _backend_step(model, opt, loss_fn, **options):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="forge", options={"optimizer": opt, **options})
+    return _step(compiled, opt, loss_fn)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backend_fused_bf16_weight_is_the_spec_on_the_fp32_dw(device):
+    # route 2 rounds a fused bf16 weight as route 1 does: key round_key(seed, optimizer steps), salt = the
+    # parameter's index in the optimizer
+    from forge_compile import backend
+
+    torch.manual_seed(0)
+    n, k, m = (48, 40, 24) if device == "cpu" else (512, 384, 256)
+    model = nn.Sequential(nn.Linear(k, 8, bias=False), nn.Linear(k, n, bias=False)).to(device, torch.bfloat16)
+    model = model[1]    # the optimizer's second parameter: salt 1
+    other = nn.Linear(k, 8, bias=False).to(device, torch.bfloat16)
+    opt = torch.optim.AdamW([other.weight, model.weight], lr=1e-3, weight_decay=0.01)
+    c = torch.randn(m, n, device=device).to(torch.bfloat16).float()
+    backend.clear_reports()
+    step = _backend_step(model, opt, lambda y, c: (y * c).sum(), stochastic_rounding=7)
+    w = model.weight.detach().clone()
+    st = [torch.tensor(0.0), torch.zeros(n, k, dtype=torch.bfloat16, device=device),
+          torch.zeros(n, k, dtype=torch.bfloat16, device=device)]
+    rule = rules.adamw_rule().name
+    for call in range(3):
+        x = torch.randn(m, k, device=device).to(torch.bfloat16)
+        step(x, c)
+        dw = c.to(torch.bfloat16).float().t() @ x.float()
+        reference_update(w, dw, st, _adamw_hparams(opt), rule, element_key(round_key(7, call), 1))
+        state = opt.state[model.weight]
+        assert state["exp_avg"].dtype == torch.bfloat16 and float(state["step"]) == call + 1
+        assert model.weight.grad is None      # fused: updated inside backward
+        if device == "cpu":      # the CPU path's dW is torch.mm's: bitwise
+            assert torch.equal(model.weight.view(torch.int16), w.view(torch.int16)), f"call {call}"
+            assert torch.equal(state["exp_avg"], st[1]) and torch.equal(state["exp_avg_sq"], st[2])
+        else:    # as test_fused_bf16_weight_is_the_spec_on_the_fp32_dw: the kernel sums tokens in another order
+            assert _mismatch(model.weight, w) < 1e-3 and _mismatch(state["exp_avg"], st[1]) < 1e-3, f"call {call}"
+            w.copy_(model.weight)
+            st[1].copy_(state["exp_avg"])
+            st[2].copy_(state["exp_avg_sq"])
+    rep = backend.last_report()
+    assert rep.rows[0].fused, rep
+    assert any(n.startswith("stochastic_rounding: 1 of this backward's 1 bf16 parameters") for n in rep.notes), rep
+    assert "wgrad_update_rounded_(" in backend.last_graphs()[-1].roles and "salt=1" in backend.last_graphs()[-1].roles
+
+
+def test_backend_and_compile_train_step_round_alike():
+    # the same seed, model and batches: route 2's fused weights bitwise route 1's (both fuse every weight here)
+    from forge_compile import backend
+
+    backend.clear_reports()
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    s1 = forge.compile_train_step(_mse_step(m1, o1), stochastic_rounding=3)
+    s2 = _backend_step(m2, o2, F.mse_loss, stochastic_rounding=3)
+    for _ in range(4):
+        x, y = torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8)
+        s1(x, y)
+        s2(x, y)
+    assert all(d.fused for d in s1.last_report.rows)
+    assert [d.fused for d in backend.last_report().rows] == [True, True]
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_backend_unfused_bf16_parameters_round_to_nearest_and_the_report_says_so():
+    # a bf16 bias is not a matmul's gradient: optimizer.step() updates it with torch's own bf16 arithmetic, exactly
+    # as eager torch.optim would; the note names it
+    from forge_compile import backend
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8).to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    backend.clear_reports()
+    step = _backend_step(model, opt, F.mse_loss, stochastic_rounding=True)
+    ref_step = _step(ref, ref_opt, F.mse_loss)
+    for i in range(3):
+        x, y = torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8)
+        step(x, y)
+        ref_step(x, y)
+        if i == 0:   # same weights before it, so the same bias gradient: eager torch.optim's bf16 update, bitwise
+            assert torch.equal(model.bias, ref.bias)
+    rep = backend.last_report()
+    note = next(n for n in rep.notes if n.startswith("stochastic_rounding"))
+    assert "1 of this backward's 2 bf16 parameters" in note and "round to nearest" in note, note
+    assert not torch.equal(model.weight, ref.weight)    # rounded stochastically vs round to nearest
+
+
+def test_backend_stochastic_rounding_option_checks():
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="forge", options={"optimizer": opt, "stochastic_rounding": "yes"})
+    with pytest.raises(Exception, match="stochastic_rounding takes a bool or an int seed"):
+        compiled(torch.randn(2, 4).to(torch.bfloat16))
+
+
+def test_backend_rounding_takes_no_scalar_table():
+    # the key comes from the host at every step: a backward that rounds is not table-driven (no CUDA graph), and
+    # says so; it still rounds (bitwise route 1, as above)
+    from forge_compile import backend
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    backend.clear_reports()
+    step = _backend_step(model, opt, F.mse_loss, stochastic_rounding=True, scalar_table=True)
+    step(torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8))
+    rep = backend.last_report()
+    assert rep.rows[0].fused
+    assert any(n.startswith("scalar_table: not used: stochastically rounded") for n in rep.notes), rep
