@@ -221,7 +221,7 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
     ``clip``: ``clip_grad_norm_(model.parameters(), clip)`` between backward and opt.step() in every route;
     ``accum``: the batch split into that many micro-batches, forward + backward each (loss / accum), the gradients
     accumulated, then one update -- in every route; ``stochastic_rounding``: the forge routes round bf16 weights
-    stochastically (--bf16-weights; the backend routes their fused weights, opt.step() the rest to nearest)."""
+    stochastically (--bf16-weights)."""
     accum = max(1, int(accum or 1))
     io = dict(inductor_options or {})
     params = list(wl.parameters())
@@ -1093,7 +1093,7 @@ def parse_args(argv):
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters and AdamW states, no autocast, no fp32 master weights: the baseline is "
                         "torch.optim's bf16 AdamW (round to nearest), the compile_train_step routes round stochastically "
-                        "(stochastic_rounding=True), the backend routes their fused weights")
+                        "(stochastic_rounding=True), the backend routes too")
     p.add_argument("--tf32", action="store_true",
                    help="with --fp32: torch.set_float32_matmul_precision('high') in every run (TF32 matmuls)")
     p.add_argument("--budget-gib", type=float, help="memory budget; default: anchored on the baseline (below)")

@@ -342,7 +342,8 @@ def make_train_step(route, model, opt, autocast, cuda_graphs=False, recompute_we
                              "torch.compile(model, backend='forge', options={'optimizer': opt})), which this "
                              "version of forge_compile does not have yet; use --route step or --route off")
         import forge_compile.backend  # noqa: F401  (registers backend="forge")
-        # stochastic_rounding (--bf16-weights): the fused bf16 weights rounded stochastically, the rest by opt.step()
+        # stochastic_rounding (--bf16-weights): every bf16 parameter rounded stochastically (fused weights in the
+        # backward, the rest by forge's pre-step hook)
         cmodel = torch.compile(model, backend="forge", options={"optimizer": opt,
                                                                 "stochastic_rounding": stochastic_rounding})
     elif route == "off":
@@ -732,8 +733,8 @@ def parse_args(argv):
                    help="clip_grad_norm_(model.parameters(), MAX) before each opt.step() (routes step and off)")
     p.add_argument("--bf16-weights", action="store_true",
                    help="bf16 parameters and AdamW states, no fp32 master weights; route step rounds every update "
-                        "stochastically (compile_train_step(stochastic_rounding=True)), route backend its fused "
-                        "weights' (options stochastic_rounding=True; the rest by opt.step()), route off is "
+                        "stochastically (compile_train_step(stochastic_rounding=True)), route backend too (options "
+                        "stochastic_rounding=True), route off is "
                         "torch.optim's bf16 arithmetic (round to nearest)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="split each batch into K passes, backward() each, one opt.step() (routes step and off; "

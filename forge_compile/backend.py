@@ -51,7 +51,7 @@ import weakref
 import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
@@ -187,6 +187,52 @@ def _after_any_step(opt, args, kwargs):
 # translation warns about; marked so that compile_train_step, which refuses a user's step hooks, skips it.
 _after_any_step._forge_internal = True
 _STEP_HOOK = register_optimizer_step_post_hook(_after_any_step)
+
+
+# -- stochastic rounding of the bf16 parameters no fused update took --------------------------------------------
+# Under options stochastic_rounding, opt.step() would update every bf16 parameter left with a .grad (norms, biases,
+# embeddings, and fused weights whose backward ran unfused) in torch.optim's bf16 arithmetic, round to nearest: an
+# update below half a bf16 ulp lost. A global pre-step hook updates them first as compile_train_step does -- the
+# rule on fp32 copies, the parameter stored rounded stochastically with the step's key and its salt -- and clears
+# their .grad, so torch.optim skips them. Compiled by torch.compile (an eager decomposition of AdamW over a
+# 32000x2048 embedding is ~25 full passes; compiled, one), shapes dynamic after the first recompile.
+_SR_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # optimizer -> (seed, [(plan, salt)])
+_ROUNDED_UPDATE = []
+
+
+def _rounded_update(param, grad, states, hparams, ekey, rule: str):
+    from .optim.rule import get_rule
+
+    get_rule(rule).apply_rounded(param, grad, states, hparams, ekey)
+
+
+def _round_before_step(opt, args, kwargs):
+    entry = _SR_OPTIMIZERS.get(opt)
+    if entry is None:
+        return
+    seed, plans = entry
+    todo = [(pl, salt) for pl, salt in plans if pl.param.grad is not None and pl.param.grad.layout == torch.strided]
+    if not todo:
+        return
+    from .kernels.stochastic_round import element_key
+
+    if not _ROUNDED_UPDATE:
+        _ROUNDED_UPDATE.append(torch.compile(_rounded_update, fullgraph=True))
+    key = round_key(seed, _tracker(opt).steps)
+    with torch.no_grad():
+        for pl, salt in todo:
+            p = pl.param
+            states = prepare_states(opt, pl)
+            hps = [torch.tensor(v, dtype=torch.float64) for v in hparam_values(opt, pl)]
+            ekey = torch.tensor(element_key(key, salt), dtype=torch.int64)
+            _ROUNDED_UPDATE[0](p, p.grad, states, hps, ekey, pl.rule.name)
+            p.grad = None     # torch.optim skips a parameter without a gradient
+    flush_step_mirrors()
+    counters["rounded_before_step"] += len(todo)
+
+
+_round_before_step._forge_internal = True
+_PRE_STEP_HOOK = register_optimizer_step_pre_hook(_round_before_step)
 
 
 def set_round_calls(optimizer, calls: int) -> None:
@@ -499,9 +545,8 @@ def _rounding_note(cands, unfused) -> str | None:
     note = (f"stochastic_rounding: {fused} of this backward's {len(bf16)} bf16 parameters are updated by fused "
             "updates in fp32 from the fp32 dW and stored rounded stochastically")
     if fused < len(bf16):
-        note += (f"; the other {len(bf16) - fused} are updated by optimizer.step() in torch.optim's bf16 "
-                 "arithmetic (round to nearest: updates below half a bf16 ulp are lost; forge.compile_train_step "
-                 "rounds every bf16 parameter stochastically)")
+        note += (f"; the other {len(bf16) - fused} are updated in fp32 and rounded stochastically by forge at "
+                 "optimizer.step() from their .grad (a pre-step hook; torch.optim then skips them)")
     return note
 
 
@@ -537,6 +582,11 @@ class _Compilation:
         self.pending = 0
         self.under_ddp = False      # the last forward ran inside a DistributedDataParallel's forward
         self.counting = optimizer is not None and fuse and bool(self.param_ids)
+        if optimizer is not None and sr_seed is not None:
+            bf16 = [(pl, self.salts[id(pl.param)]) for pl in self.plans.values() if pl.param.dtype == torch.bfloat16]
+            if bf16:
+                _tracker(optimizer)      # the step counter the keys are made from
+                _SR_OPTIMIZERS[optimizer] = (sr_seed, bf16)
         if self.counting:
             _tracker(optimizer).comps.add(self)
 
@@ -1029,7 +1079,8 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
     ``triton.cudagraphs``), ``stochastic_rounding`` (True or an int seed: fused bf16 weights are updated in fp32
     from the fp32 dW and stored rounded stochastically, as compile_train_step's option; the key of a step is
     ``round_key(seed, optimizer.step() calls seen)``, each parameter salted by its index in the optimizer; bf16
-    parameters left unfused are updated by optimizer.step() in bf16, round to nearest); any other option is an Inductor option, as with ``torch.compile(options=...)`` for
+    parameters left unfused are updated the same way from their .grad by a pre-step hook, then skipped by
+    torch.optim); any other option is an Inductor option, as with ``torch.compile(options=...)`` for
     Inductor (``torch._inductor.list_options()``, e.g. ``cpp_wrapper``, ``max_autotune``, ``triton.cudagraphs``),
     applied to every graph forge compiles."""
     opts = dict(options or {})

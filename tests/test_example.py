@@ -102,11 +102,11 @@ def test_bf16_weights_step_rounds_stochastically_and_resumes(tmp_path):
 @pytest.mark.skipif(not HAS_BACKEND, reason="no forge_compile.backend")
 def test_bf16_weights_backend_rounds_fused_weights_and_resumes(tmp_path):
     # --route backend --bf16-weights: the Dynamo route rounds its fused weights stochastically (options
-    # stochastic_rounding=True), the norms and the embedding by opt.step() to nearest; a resumed run draws the same
+    # stochastic_rounding=True), the norms and the embedding by forge's pre-step hook; a resumed run draws the same
     # bits (set_round_calls)
     full = run("--route", "backend", "--steps", "3", "--bf16-weights")
     _check_result(full, 3)
-    assert "stochastic_rounding:" in full["fusion_report"] and "round to nearest" in full["fusion_report"], \
+    assert "stochastic_rounding:" in full["fusion_report"] and "pre-step hook" in full["fusion_report"], \
         full["fusion_report"]
     ck = str(tmp_path / "ck.pt")
     run("--route", "backend", "--steps", "3", "--stop-after", "1", "--save", ck, "--bf16-weights")

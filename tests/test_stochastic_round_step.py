@@ -337,51 +337,69 @@ def test_backend_fused_bf16_weight_is_the_spec_on_the_fp32_dw(device):
     assert "wgrad_update_rounded_(" in backend.last_graphs()[-1].roles and "salt=1" in backend.last_graphs()[-1].roles
 
 
-def test_backend_and_compile_train_step_round_alike():
-    # the same seed, model and batches: route 2's fused weights bitwise route 1's (both fuse every weight here)
+@pytest.mark.parametrize("bias", [False, True], ids=["fused_only", "with_biases"])
+def test_backend_and_compile_train_step_round_alike(bias):
+    # the same seed, model and batches: route 2's parameters bitwise route 1's -- the fused weights (both routes fuse
+    # every weight here) and, with biases, the bf16 parameters route 2 leaves unfused, which its pre-step hook
+    # rounds with the same key and salt as route 1's traced update
     from forge_compile import backend
 
     backend.clear_reports()
     torch.manual_seed(0)
-    m1 = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+    m1 = nn.Sequential(nn.Linear(16, 32, bias=bias), nn.GELU(), nn.Linear(32, 8, bias=bias)).to(torch.bfloat16)
     m2 = copy.deepcopy(m1)
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-3)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
     s1 = forge.compile_train_step(_mse_step(m1, o1), stochastic_rounding=3)
     s2 = _backend_step(m2, o2, F.mse_loss, stochastic_rounding=3)
+    before = backend.counters["rounded_before_step"]
     for _ in range(4):
         x, y = torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8)
         s1(x, y)
         s2(x, y)
-    assert all(d.fused for d in s1.last_report.rows)
-    assert [d.fused for d in backend.last_report().rows] == [True, True]
-    for a, b in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert [d.fused for d in s1.last_report.rows if d.name.endswith("weight")] == [True, True]
+    rep = backend.last_report()
+    assert [d.fused for d in rep.rows if d.name.endswith("weight")] == [True, True], rep
+    assert backend.counters["rounded_before_step"] - before == (8 if bias else 0)
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+    if bias:
+        note = next(n for n in rep.notes if n.startswith("stochastic_rounding"))
+        assert "2 of this backward's 4 bf16 parameters" in note and "pre-step hook" in note, note
 
 
-def test_backend_unfused_bf16_parameters_round_to_nearest_and_the_report_says_so():
-    # a bf16 bias is not a matmul's gradient: optimizer.step() updates it with torch's own bf16 arithmetic, exactly
-    # as eager torch.optim would; the note names it
-    from forge_compile import backend
+def test_backend_rounds_a_parameter_the_backward_left_unfused():
+    # a bf16 bias whose update no backward fused: updated at opt.step() as route 1's traced spec (the rule in fp32,
+    # rounded with the step's key and the parameter's salt), not torch.optim's round-to-nearest; fp32 parameters of
+    # the same optimizer stay torch.optim's
+    from forge_compile.kernels.stochastic_round import element_key
 
     torch.manual_seed(0)
     model = nn.Linear(16, 8).to(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    backend.clear_reports()
-    step = _backend_step(model, opt, F.mse_loss, stochastic_rounding=True)
-    ref_step = _step(ref, ref_opt, F.mse_loss)
-    for i in range(3):
+    extra = nn.Parameter(torch.randn(5))                # fp32, not in the model: torch.optim's own update
+    opt = torch.optim.AdamW([model.weight, model.bias, extra], lr=1e-2)
+    ref_extra = extra.detach().clone()
+    ref_opt = torch.optim.AdamW([ref_extra.requires_grad_()], lr=1e-2)
+    step = _backend_step(model, opt, F.mse_loss, stochastic_rounding=5)
+    b = model.bias.detach().clone()
+    st = [torch.tensor(0.0), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)]
+    for call in range(3):
         x, y = torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8)
+        (extra.sum() * 0.5 + 0 * extra[0]).backward()
+        ref_extra.grad = extra.grad.clone()
+        # the bias's gradient as the backward will produce it: d mse / d bias = sum over rows of dY (bf16 model)
+        with torch.enable_grad():
+            probe = copy.deepcopy(model)
+            F.mse_loss(probe(x).float(), y).backward()
+        g = probe.bias.grad
         step(x, y)
-        ref_step(x, y)
-        if i == 0:   # same weights before it, so the same bias gradient: eager torch.optim's bf16 update, bitwise
-            assert torch.equal(model.bias, ref.bias)
-    rep = backend.last_report()
-    note = next(n for n in rep.notes if n.startswith("stochastic_rounding"))
-    assert "1 of this backward's 2 bf16 parameters" in note and "round to nearest" in note, note
-    assert not torch.equal(model.weight, ref.weight)    # rounded stochastically vs round to nearest
+        ref_opt.step()
+        ref_opt.zero_grad()
+        reference_update(b, g.float(), st, _adamw_hparams(opt), rules.adamw_rule().name,
+                         element_key(round_key(5, call), 1))
+        assert torch.equal(model.bias.view(torch.int16), b.view(torch.int16)), f"call {call}"
+        assert torch.equal(extra, ref_extra)
+        assert model.bias.grad is None
 
 
 def test_backend_stochastic_rounding_option_checks():
