@@ -208,6 +208,65 @@ def test_cuda_kernel_is_the_reference(rule):
     _check(rule, 1000, 776, (4, 333), padding_idx=7, device="cuda", vocab_used=50)
 
 
+# ---- a bf16 embedding rounded stochastically (forge::embedding_update_rounded_) -------------------------------------
+
+def _check_rounded(rule, v, k, shape, padding_idx=-1, device="cpu", state_dtype=torch.bfloat16, ekey=12345,
+                   exact_sqrt=False, **kw):
+    # bitwise reference_embedding_update(ekey=): the rule on fp32 values of the bf16 W and (bf16 or fp32) states and
+    # the dense gradient, W rounded with the spec's bits, the states rounded to nearest
+    w, go, idx, st, hp = _make(rule, v, k, shape, device, **kw)
+    w = w.to(torch.bfloat16)
+    st = [s if s.dim() == 0 else s.to(state_dtype) for s in st]
+    w_ref, st_ref = w.clone(), [s.clone() for s in st]
+    embedding_update(w, go, idx, st, hp, rule.name, padding_idx, ekey=ekey)
+    with CorrectlyRoundedSqrt() if exact_sqrt else contextlib.nullcontext():
+        reference_embedding_update(w_ref, go, idx, st_ref, hp, rule.name, padding_idx, ekey=ekey)
+    assert torch.equal(w.view(torch.int16), w_ref.view(torch.int16)), \
+        f"W differs in {(w != w_ref).sum().item()} of {w.numel()} elements"
+    for a, b in zip(st, st_ref):
+        assert torch.equal(a, b), f"a state differs in {(a != b).sum().item()} elements"
+    return w
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16_states", "fp32_states"])
+def test_cpu_rounded_impl_is_the_reference(rule, state_dtype, monkeypatch):
+    from forge_compile.kernels import wgrad_update_cpu as cpu_impl
+
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_BYTES", 4 * 200)     # ragged blocks: offsets must be global
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_MIN_ROWS", 16)
+    _check_rounded(rule, 70, 45, (2, 9), 3, state_dtype=state_dtype, vocab_used=20)
+
+
+def test_rounded_keys_differ_and_checks():
+    # another key, other bits (the spec's: this is what makes the rounding stochastic); a bf16 weight without a key
+    # and an fp32 weight with one are refused before anything is written
+    a = _check_rounded(ADAMW, 64, 32, (2, 9), ekey=1)
+    b = _check_rounded(ADAMW, 64, 32, (2, 9), ekey=2)
+    assert not torch.equal(a, b)
+    w, go, idx, st, hp = _make(ADAMW, 64, 32, (2, 9))
+    with pytest.raises(ValueError, match="bfloat16"):
+        embedding_update(w, go, idx, st, hp, ADAMW.name, ekey=1)
+    with pytest.raises(ValueError, match="float32"):
+        embedding_update(w.to(torch.bfloat16), go, idx, st, hp, ADAMW.name)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16_states", "fp32_states"])
+def test_interpreter_rounded_kernel_is_the_reference(interpret, rule, state_dtype):
+    _check_rounded(rule, 70, 300, (2, 9), 3, state_dtype=state_dtype, vocab_used=20, exact_sqrt=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
+def test_cuda_rounded_kernel_is_the_reference(rule):
+    for ekey in (0, 1, 16, 0x7FFFFFFF):     # values Triton would specialize on: the key is a run-time argument
+        _check_rounded(rule, 1000, 776, (4, 333), padding_idx=7, device="cuda", vocab_used=50, ekey=ekey)
+    _check_rounded(rule, 32000, 2048, (2, 1024), device="cuda")
+    _check_rounded(rule, 32000, 2048, (2, 1024), device="cuda", state_dtype=torch.float32)
+
+
 # ---- the step: compile_train_step fuses an embedding's update ----------------------------------------------------
 
 import torch.nn as nn  # noqa: E402

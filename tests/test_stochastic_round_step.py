@@ -91,6 +91,42 @@ def test_fused_bf16_weight_is_the_spec_on_the_fp32_dw(device):
                for n in step.last_report.notes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_bf16_embedding_is_the_spec(device):
+    # loss = sum(c * emb(idx)): the embedding's gradient is c's rows summed per index (its dense backward); the step
+    # updates the bf16 table from the compact rows with the spec's rounding, the salt its index in the step
+    from forge_compile.kernels.embedding_update import reference_embedding_update
+
+    torch.manual_seed(0)
+    v, k, shape = 50, 24, (3, 7)
+    emb = nn.Embedding(v, k, padding_idx=2).to(device, torch.bfloat16)
+    opt = torch.optim.AdamW(emb.parameters(), lr=1e-3, weight_decay=0.01)
+    c = torch.randn(*shape, k, device=device).to(torch.bfloat16)
+
+    def body(idx, c):
+        loss = (emb(idx).float() * c.float()).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = forge.compile_train_step(body, stochastic_rounding=9)
+    w = emb.weight.detach().clone()
+    st = [torch.tensor(0.0), torch.zeros(v, k, dtype=torch.bfloat16, device=device),
+          torch.zeros(v, k, dtype=torch.bfloat16, device=device)]
+    for call in range(3):
+        idx = torch.randint(0, 20, shape, device=device)
+        step(idx, c)
+        reference_embedding_update(w, c, idx, st, _adamw_hparams(opt), rules.adamw_rule().name, 2,
+                                   ekey=element_key(round_key(9, call), 0))
+        assert torch.equal(emb.weight.view(torch.int16), w.view(torch.int16)), f"call {call}"
+        assert torch.equal(opt.state[emb.weight]["exp_avg"], st[1])
+    d = step.last_report.rows[0]
+    assert d.fused, d.reason
+    assert any("stochastic_rounding: 1 bf16 parameters" in n and "1 of them by fused" in n
+               for n in step.last_report.notes)
+
+
 def _regression(route, steps=60, lr=2e-4, seed=0):
     # y = x @ A^T + 2 from a weight that starts near A: Adam's updates (~lr = 2e-4) are far below half a bf16 ulp
     # of the weight (>= 2**-8 = 3.9e-3 at magnitudes in [1, 4)), so round to nearest never moves it
@@ -153,10 +189,9 @@ def test_same_seed_same_weights_other_seed_other_weights():
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, c) for a, c in zip(m1.parameters(), m3.parameters()))
     fused = {d.name for d in s1.last_report.rows if d.fused}
-    # every projection fused; the embedding is not yet (rounded stochastically, unfused)
-    assert {f"model.{n}.weight" for n in ("block.qkv", "block.proj", "block.up", "block.down", "head")} <= fused
-    emb = s1.last_report.row("model.emb.weight")
-    assert not emb.fused and "embedding" in emb.reason
+    # every projection fused, and the embedding (forge::embedding_update_rounded_)
+    assert {f"model.{n}.weight" for n in ("block.qkv", "block.proj", "block.up", "block.down", "head",
+                                          "emb")} <= fused
 
 
 @pytest.mark.parametrize("device", DEVICES)

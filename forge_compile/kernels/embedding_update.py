@@ -13,9 +13,14 @@ row to its compact row (-1: no token, or the padding row) -- and the update kern
 gradient row through the map (zero where -1). Shapes are static (M tokens, V rows): no host sync, capturable in a
 CUDA graph.
 
-Read top to bottom: compaction, kernel template, launcher (CUDA / Triton's interpreter), CPU impl, op registration
+A bf16 embedding under compile_train_step(stochastic_rounding=...) (``forge::embedding_update_rounded_``, round key
+and salt after the padding index): the rule on fp32 values of W, the gradient row and the states (bf16 or fp32), W
+stored rounded stochastically with the bits of its element offsets (kernels/stochastic_round.py), the states rounded
+to nearest -- ``reference_embedding_update(..., ekey=)`` is that spec.
+
+Read top to bottom: compaction, kernel templates, launcher (CUDA / Triton's interpreter), CPU impl, op registration
 (``forge::embedding_update_`` with host hyper-parameters, ``forge::embedding_update_table_`` reading a scalar table
-row, as the fused linear ops).
+row, as the fused linear ops; ``forge::embedding_update_rounded_``).
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ import torch
 
 from .. import _compat
 from ..optim.rule import Rule, get_rule
-from .epilogue_codegen import TRITON_RULE_HEAD
+from .epilogue_codegen import TRITON_RULE_HEAD, triton_fields
 from .rule_update import elementwise_kernel, render_elementwise_source
+from .stochastic_round import TRITON_SROUND, element_key
 from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
@@ -37,11 +43,16 @@ __all__ = ["embedding_update", "embedding_update_table", "reference_embedding_up
 aten = torch.ops.aten
 
 
-def reference_embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1):
-    """Plain-torch spec: the dense gradient, the rule applied in place; returns the gradient (tests only)."""
+def reference_embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1,
+                               ekey=None):
+    """Plain-torch spec: the dense gradient, the rule applied in place (``ekey``: a bf16 weight's, rounded
+    stochastically, as wgrad_update.reference_update); returns the gradient (tests only)."""
     grad = aten.embedding_dense_backward(grad_output, indices, weight.shape[0], padding_idx, False).float()
     with torch.no_grad():
-        get_rule(rule).apply(weight, grad, list(states), list(hparams))
+        if ekey is None:
+            get_rule(rule).apply(weight, grad, list(states), list(hparams))
+        else:
+            get_rule(rule).apply_rounded(weight, grad, states, hparams, ekey)
     return grad
 
 
@@ -110,6 +121,34 @@ def embedding_update_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
 {state_stores}
 '''
 
+# bf16 W rounded stochastically (states bf16 or fp32): values in fp32, W stored through the spec's bits
+_TEMPLATE_ROUNDED = TRITON_RULE_HEAD + TRITON_SROUND + '''
+
+@triton.jit
+def _cast_to(x, dtype: tl.constexpr):
+    # torch's cast: round to nearest, ties to even
+{cast_body}
+
+
+# EKEY never specialized: a key of 1 would become a constexpr
+@triton.jit(do_not_specialize=["EKEY"])
+def embedding_update_rounded_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K, EKEY,
+                                    BR: tl.constexpr, BK: tl.constexpr):
+{scalar_loads}    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < K)[None, :]
+    off = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    pos = tl.load(POS + rows, mask=rmask, other=-1)
+    g = tl.load(G + pos.to(tl.int64)[:, None] * K + cols[None, :], mask=mask & (pos >= 0)[:, None],
+                other=0.0).to(tl.float32)
+    p = tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
+{state_loads}
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params}BR, BK)
+    tl.store(P + off, _cast_to(_sround_bits({new_p}, off, EKEY), tl.bfloat16), mask=mask)
+{state_stores}
+'''
+
 # rows x columns per program: 1024 elements per 4 warps, rule_update_'s block, which measured best there (2048: 1-8 %
 # slower; benchmarks/bench_rule_update.py) -- not measured for this kernel. sm_90 compile (triton 3.6): AdamW 64
 # registers, SGD-momentum 32, Lion 43, no spills
@@ -120,7 +159,26 @@ def render_embedding_update_source(ep) -> str:
     return render_elementwise_source(ep, _TEMPLATE, "embedding_update")
 
 
-def _kernel_for(rule: Rule, target: str):
+def render_embedding_update_rounded_source(ep, template: str = _TEMPLATE_ROUNDED,
+                                           module: str = "embedding_update_rounded") -> str:
+    from .wgrad_update_triton import _CAST_BODY
+
+    states = ep.tensor_inputs[2:]
+    ptrs = [s.upper() for s in states]
+    new_vars = [f"new_{v}" for v in ("p", *states)]
+    return template.format(
+        **triton_fields(ep, True, "SCAL"), module=module, cast_body=_CAST_BODY[ep.target],
+        state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
+                              for s, p in zip(states, ptrs)),
+        state_stores="\n".join(f"    tl.store({p} + off, _cast_to({v}, {p}.dtype.element_ty), mask=mask)"
+                               for p, v in zip(ptrs, new_vars[1:])),
+    )
+
+
+def _kernel_for(rule: Rule, target: str, rounded: bool = False):
+    if rounded:
+        return elementwise_kernel(rule, target, _TEMPLATE_ROUNDED, "embedding_update_rounded",
+                                  render_embedding_update_rounded_source)
     return elementwise_kernel(rule, target, _TEMPLATE, "embedding_update")
 
 
@@ -128,9 +186,11 @@ def _kernel_for(rule: Rule, target: str):
 # launcher
 
 
-def check_embedding_args(weight, grad_output, indices):
-    if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError("forge: embedding_update: the weight must be a contiguous fp32 [V, K] tensor")
+def check_embedding_args(weight, grad_output, indices, rounded: bool = False):
+    want = torch.bfloat16 if rounded else torch.float32
+    if weight.dim() != 2 or weight.dtype != want or not weight.is_contiguous():
+        raise ValueError(f"forge: embedding_update: the weight must be a contiguous {want} [V, K] tensor"
+                         + (" (stochastic rounding)" if rounded else ""))
     if grad_output.shape[-1] != weight.shape[1] or grad_output.shape[:-1] != indices.shape:
         raise ValueError(f"forge: embedding_update: grad_output {list(grad_output.shape)} does not match indices "
                          f"{list(indices.shape)} and weight {list(weight.shape)}")
@@ -141,29 +201,33 @@ def check_embedding_args(weight, grad_output, indices):
                          "weight's device")
 
 
-def _check(weight, grad_output, indices, tensor_states):
-    check_embedding_args(weight, grad_output, indices)
+def _check(weight, grad_output, indices, tensor_states, rounded: bool = False):
+    check_embedding_args(weight, grad_output, indices, rounded)
+    ok = (torch.float32, torch.bfloat16) if rounded else (torch.float32,)
     for s in tensor_states:
-        if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != weight.shape:
-            raise ValueError("forge: embedding_update: tensor states must be contiguous fp32 tensors like the weight")
+        if s.dtype not in ok or not s.is_contiguous() or s.shape != weight.shape:
+            raise ValueError("forge: embedding_update: tensor states must be contiguous fp32 tensors like the weight"
+                             + (" (or bf16: stochastic rounding)" if rounded else ""))
 
 
 def launch_embedding_update(weight, grad_output, indices, tensor_states, table, rule: Rule,
-                            padding_idx: int = -1) -> None:
+                            padding_idx: int = -1, ekey=None) -> None:
     """Triton kernel (CUDA, or CPU tensors under the interpreter): the rule's scalars from ``table`` (an fp32 row on
-    the weight's device, ``wgrad_update_triton.rule_scalars``); scalar states are the caller's."""
+    the weight's device, ``wgrad_update_triton.rule_scalars``); scalar states are the caller's. ``ekey``: a bf16
+    weight rounded stochastically with this key (``element_key``)."""
     from .wgrad_update_triton import _interpreting, check_table
 
     interpret = not weight.is_cuda
     if interpret and not _interpreting():
         raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
-    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
+    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda", ekey is not None)
     check_table(ep, table, weight)
     n, k = weight.shape
     rows, pos = compact_rows(grad_output, indices, n, padding_idx)
     grid = (-(-n // BR), -(-k // BK))
+    key = () if ekey is None else (int(ekey),)
     # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
-    kernel[grid](weight, rows.contiguous(), pos, *tensor_states, table, n, k, BR=BR, BK=BK, num_warps=4,
+    kernel[grid](weight, rows.contiguous(), pos, *tensor_states, table, n, k, *key, BR=BR, BK=BK, num_warps=4,
                  enable_fp_fusion=False)
 
 
@@ -183,28 +247,33 @@ def _host_table(rule: Rule, states, hparams, device):
 # CPU impl: the linear op's blocked CPU update with an empty matmul (zero blocks) plus the compact rows
 
 
-def embedding_update_cpu(weight, grad_output, indices, states, hparams, rule_name, padding_idx=-1) -> None:
+def embedding_update_cpu(weight, grad_output, indices, states, hparams, rule_name, padding_idx=-1,
+                         ekey=None) -> None:
     from .wgrad_update_cpu import wgrad_update_cpu
 
     n, k = weight.shape
     extra = compact_rows(grad_output, indices, n, padding_idx)
-    wgrad_update_cpu(weight, weight.new_empty((n, 0)), weight.new_empty((0, k)), states, hparams, rule_name,
-                     extra=extra)
+    # the empty matmul's operands in fp32 whatever the weight's dtype (a bf16 weight: stochastic rounding)
+    wgrad_update_cpu(weight, weight.new_empty((n, 0), dtype=torch.float32),
+                     weight.new_empty((0, k), dtype=torch.float32), states, hparams, rule_name, extra=extra,
+                     ekey=ekey)
 
 
-def embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1) -> None:
+def embedding_update(weight, grad_output, indices, states, hparams, rule: str, padding_idx: int = -1,
+                     ekey=None) -> None:
     r = get_rule(rule)
     if len(states) != len(r.states):
         raise ValueError(f"embedding_update: rule {r.name!r} takes {len(r.states)} states, got {len(states)}")
-    _check(weight, grad_output, indices, [s for i, s in enumerate(states) if not r.is_scalar_state(i)])
+    _check(weight, grad_output, indices, [s for i, s in enumerate(states) if not r.is_scalar_state(i)],
+           ekey is not None)
     if weight.is_cuda or triton_on_cpu():
         tensor_states, scalar_states, new, table = _host_table(r, list(states), list(hparams), weight.device)
-        launch_embedding_update(weight, grad_output, indices, tensor_states, table, r, padding_idx)
+        launch_embedding_update(weight, grad_output, indices, tensor_states, table, r, padding_idx, ekey)
         with torch.no_grad():
             for s, v in zip(scalar_states, new):
                 s.fill_(v)
     else:
-        embedding_update_cpu(weight, grad_output, indices, list(states), list(hparams), rule, padding_idx)
+        embedding_update_cpu(weight, grad_output, indices, list(states), list(hparams), rule, padding_idx, ekey)
 
 
 def embedding_update_table(weight, grad_output, indices, states, scalars, rule: str, padding_idx: int = -1) -> None:
@@ -224,6 +293,11 @@ _LIB.define("embedding_update_(Tensor(a!) weight, Tensor grad_output, Tensor ind
             "Tensor[] hparams, str rule, int padding_idx) -> ()", tags=_compat.cudagraph_unsafe_tags())
 _LIB.define("embedding_update_table_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] states, "
             "Tensor scalars, str rule, int padding_idx) -> ()")
+# a bf16 embedding rounded stochastically: round_key a 0-dim int64 CPU tensor (read on the host, as
+# forge::wgrad_update_rounded_'s), round_salt the parameter's index in the step
+_LIB.define("embedding_update_rounded_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] states, "
+            "Tensor[] hparams, str rule, int padding_idx, Tensor round_key, int round_salt) -> ()",
+            tags=_compat.cudagraph_unsafe_tags())
 
 
 def embedding_update_(weight, grad_output, indices, states, hparams, rule, padding_idx):
@@ -236,7 +310,15 @@ def embedding_update_table_(weight, grad_output, indices, states, scalars, rule,
     torch.autograd.graph.increment_version([weight, *states])
 
 
+def embedding_update_rounded_(weight, grad_output, indices, states, hparams, rule, padding_idx, round_key,
+                              round_salt):
+    embedding_update(weight, grad_output, indices, states, hparams, rule, padding_idx,
+                     ekey=element_key(int(round_key), round_salt))
+    torch.autograd.graph.increment_version([weight, *states])
+
+
 _LIB.impl("embedding_update_", embedding_update_, "CompositeExplicitAutograd")
+_LIB.impl("embedding_update_rounded_", embedding_update_rounded_, "CompositeExplicitAutograd")
 _LIB.impl("embedding_update_table_", embedding_update_table_, "CompositeExplicitAutograd")
 
 
@@ -247,4 +329,9 @@ def _(weight, grad_output, indices, states, hparams, rule, padding_idx):
 
 @torch.library.register_fake("forge::embedding_update_table_", lib=_LIB)
 def _(weight, grad_output, indices, states, scalars, rule, padding_idx):
+    return None
+
+
+@torch.library.register_fake("forge::embedding_update_rounded_", lib=_LIB)
+def _(weight, grad_output, indices, states, hparams, rule, padding_idx, round_key, round_salt):
     return None

@@ -66,14 +66,14 @@ _KERNELS: dict = {}
 _LOCK = threading.Lock()
 
 
-def elementwise_kernel(rule: Rule, target: str, template: str, module: str):
-    """(epilogue, jitted ``<module>_kernel``) of ``render_elementwise_source``, cached per (module, rule, target):
-    rendering and hashing the source costs tens of microseconds, every launch would pay it."""
+def elementwise_kernel(rule: Rule, target: str, template: str, module: str, render=render_elementwise_source):
+    """(epilogue, jitted ``<module>_kernel``) of ``render(ep, template, module)``, cached per (module, rule,
+    target): rendering and hashing the source costs tens of microseconds, every launch would pay it."""
     key = (module, rule.name, target)
     hit = _KERNELS.get(key)
     if hit is None:
         ep = compile_epilogue(rule, target)
-        mod = load_kernel_module(render_elementwise_source(ep, template, module), module + "_" + ep.source_key)
+        mod = load_kernel_module(render(ep, template, module), module + "_" + ep.source_key)
         hit = (ep, getattr(mod, module + "_kernel"))
         with _LOCK:
             _KERNELS.setdefault(key, hit)

@@ -34,6 +34,7 @@ counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
 _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
+_EMB_ROUNDED = torch.ops.forge.embedding_update_rounded_.default
 
 # Ops that only re-label the gradient on its way from the mm to the update.
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -536,9 +537,8 @@ def sr_fused_max_tokens(w) -> int:
 
 def _rounding_unsupported(match: _Match, w) -> Optional[str]:
     """Why a bf16 weight rounded stochastically is left unfused, or None."""
-    if match.embedding:
-        return "stochastic rounding of an embedding weight is not fused yet (updated unfused, rounded stochastically)"
-    if w.device.type != "cuda":
+    if match.embedding or w.device.type != "cuda":
+        # an embedding's fused update is element-wise over W (no GEMM): no token count where unfused is faster
         return None
     a = [_meta(m.args[0]) for m, _ in match.pairs]
     if any(v is None or v.dim() != 2 for v in a):
@@ -697,9 +697,11 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             grad_output, indices, _, padding_idx = match.mm.args[:4]
             if operands is not None:
                 grad_output, indices = operands
+            rounding = round_args(apply)
+            op = torch.ops.forge.embedding_update_.default if rounding is None else _EMB_ROUNDED
             with graph.inserting_after(anchor):
-                fused = graph.call_function(torch.ops.forge.embedding_update_.default,
-                                            (weight, grad_output, indices, states, hparams, rule, padding_idx))
+                fused = graph.call_function(op, (weight, grad_output, indices, states, hparams, rule, padding_idx,
+                                                 *(rounding or ())))
             fused.meta["forge"] = "embedding_update"
             counters["fused_embedding"] += 1
         else:
@@ -725,6 +727,8 @@ def round_args(node: fx.Node) -> Optional[tuple]:
         salt = node.args[6] if len(node.args) > 6 else node.kwargs.get("round_salt", 0)
     elif node.target is _ROUNDED:
         key, salt = node.args[6], node.args[7]
+    elif node.target is _EMB_ROUNDED:
+        key, salt = node.args[7], node.args[8]
     else:
         return None
     return None if key is None else (key, salt)
@@ -734,7 +738,7 @@ def stochastic_rounding_note(gm: fx.GraphModule, decisions) -> Optional[str]:
     """The report note of a step that rounds bf16 parameters stochastically: how many, how many of them fused."""
     fused = unfused = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (_APPLY, _ROUNDED):
+        if node.op == "call_function" and node.target in (_APPLY, _ROUNDED, _EMB_ROUNDED):
             if round_args(node) is not None:
                 fused += node.target is not _APPLY
                 unfused += node.target is _APPLY
