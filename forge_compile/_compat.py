@@ -69,8 +69,73 @@ def inductor_config_for_forge(free_at_last_use: bool = False):
         patches["allow_buffer_reuse"] = False
     if config.post_grad_custom_post_pass is None:
         patches["post_grad_custom_post_pass"] = _forge_ops_key_pass()
-    with config.patch(**patches):
+    with config.patch(**patches), _inplace_past_update_orderings():
         yield
+
+
+# Bumped when _inplace_past_update_orderings changes what Inductor generates (part of the FX graph cache key, through
+# _forge_ops_key_pass): a graph cached under other in-place decisions is compiled again.
+_SCHEDULER_PATCH_VERSION = "inplace-past-weak-users-1"
+
+
+@contextlib.contextmanager
+def _inplace_past_update_orderings():
+    """While forge's graphs compile: Inductor's in-place reuse of a buffer ignores users that only order themselves
+    after its producer (``NodeUser.is_weak``: a WeakDep, what a mutation of a buffer the producer READ adds).
+
+    Why: a fused update mutates its weight W in the same graph that reads W in the forward, so Inductor gives every
+    buffer computed from W -- the output of ``x @ W.T``, the logits above all -- the update as a weak user, and
+    ``decide_inplace_update`` then counts two remaining uses and refuses to write the next value in place. The
+    cross-entropy backward's dlogits thereby took a second logits-sized buffer at the step's forward/backward
+    boundary (CPU Inductor output of a bf16 Llama step; torch.compile's backward graph, which never sees the update,
+    writes dlogits into the saved logits). A weak user never reads the buffer's data: where its only real user
+    writes into it, the ordering it stands for (update after the producer) is unchanged. Nothing else is touched;
+    if the scheduler's private names differ (another torch), Inductor runs as is."""
+    try:
+        from torch._inductor import scheduler as _sched
+
+        orig = _sched.BaseSchedulerNode.decide_inplace_update
+    except (ImportError, AttributeError):
+        yield
+        return
+    if getattr(orig, "_forge_patched", False):     # nested compiles
+        yield
+        return
+
+    def decide_inplace_update(self):
+        saved = []
+        try:
+            for read in getattr(getattr(self, "read_writes", None), "reads", ()):
+                buf = self.scheduler.name_to_buf.get(read.name)
+                users = getattr(buf, "users", None)
+                if users and any(getattr(u, "is_weak", False) for u in users):
+                    saved.append((buf, users))
+                    buf.users = [u for u in users if not getattr(u, "is_weak", False)]
+            return orig(self)
+        finally:
+            for buf, users in saved:
+                buf.users = users
+
+    decide_inplace_update._forge_patched = True
+    _sched.BaseSchedulerNode.decide_inplace_update = decide_inplace_update
+    try:
+        yield
+    finally:
+        _sched.BaseSchedulerNode.decide_inplace_update = orig
+
+
+def inductor_output_code(fn, *args, **kwargs):
+    """(fn's result, the wrapper source of every graph Inductor compiles while it runs), its FX graph cache off so
+    that each graph is generated (tests read the step's buffer plan)."""
+    from unittest import mock
+
+    from torch._inductor import config
+    from torch._inductor.graph import GraphLowering
+
+    codes = []
+    with config.patch(fx_graph_cache=False), mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        out = fn(*args, **kwargs)
+    return out, codes
 
 
 def forge_op_schemas() -> str:
@@ -91,7 +156,7 @@ def _forge_ops_key_pass():
 
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
-        digest = hashlib.sha256(forge_op_schemas().encode()).hexdigest()
+        digest = hashlib.sha256((forge_op_schemas() + _SCHEDULER_PATCH_VERSION).encode()).hexdigest()
 
         class ForgeOpsKey(CustomGraphPass):
             def __call__(self, graph):

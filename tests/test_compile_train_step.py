@@ -1,5 +1,6 @@
 """forge.compile_train_step vs the same model trained eagerly with torch.optim."""
 import copy
+import re
 
 import pytest
 import torch
@@ -1006,3 +1007,35 @@ def test_inductor_cache_key_holds_forge_op_schemas():
     mine = _compat._forge_ops_key_pass().__class__()
     with config.patch(post_grad_custom_post_pass=mine), _compat.inductor_config_for_forge():
         assert config.post_grad_custom_post_pass is mine
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16_rounded"])
+def test_cross_entropy_backward_writes_into_the_logits(dtype):
+    # the fused lm_head update mutates the weight the logits matmul read, which Inductor records as a (weak) user of
+    # the logits buffer; forge lets the in-place reuse ignore it (_compat._inplace_past_update_orderings), so
+    # dlogits takes the logits' buffer as in torch.compile's own backward: one tokens x vocab buffer, not two (a
+    # 128k vocabulary at 8k tokens: 2 GB in bf16). The weights stay those of the same step without the reuse
+    from forge_compile import _compat
+
+    vocab, d, tokens = 1000, 32, 96
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False))
+    if dtype != "fp32":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def body(idx, y):
+        loss = F.cross_entropy(model(idx).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = forge.compile_train_step(body, stochastic_rounding=dtype != "fp32")
+    idx, y = torch.randint(0, vocab, (tokens,)), torch.randint(0, vocab, (tokens,))
+    _, codes = _compat.inductor_output_code(step, idx, y)
+    assert all(d.fused for d in step.last_report.rows if d.name.endswith("1.weight")), step.last_report
+    code = "\n".join(codes)
+    elem = "torch.float32" if dtype == "fp32" else "torch.bfloat16"
+    logits = [ln for ln in code.splitlines() if re.search(rf"empty_strided_\w+\(\({tokens}, {vocab}\), .*{elem}", ln)]
+    assert len(logits) == 1, "\n".join(logits)
