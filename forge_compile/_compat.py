@@ -199,16 +199,22 @@ def aot_autograd(**kwargs):
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def compile_fx_with_inner(gm, example_inputs, inner_compile, config_patches=None):
+def compile_fx_with_inner(gm, example_inputs, inner_compile, config_patches=None, keep_ops=()):
     """Inductor's AOTAutograd entry with our own ``inner_compile`` (sees ``is_backward=True`` for the
     backward graph) and Inductor ``config_patches`` (as torch.compile's ``options``; compile_fx applies them to
     the backward too). The AOTAutograd cache is off: a cache hit would skip ``inner_compile`` and hand back
-    a backward without forge's extra inputs."""
+    a backward without forge's extra inputs. ``keep_ops``: ops left out of Inductor's decomposition table, so that
+    the graphs keep them as single nodes (an unfused one runs as Inductor's fallback: the eager kernel)."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx as _compile_fx
+    from torch._inductor.decomposition import select_decomp_table
 
+    decompositions = None
+    if keep_ops:
+        decompositions = {op: fn for op, fn in select_decomp_table().items() if op not in keep_ops}
     with functorch_config.patch(enable_autograd_cache=False):
-        return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+        return _compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None,
+                           decompositions=decompositions)
 
 
 def cudagraph_unsafe_tags() -> tuple:

@@ -507,7 +507,17 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
         if n.op == "call_function" and n.target is _ROUNDED:
             weight, dy_t, x, states, hparams, rule, key, salt = n.args
             kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), hparams=list(hparams), rule=rule,
-                          round_key=key, round_salt=salt)
+                          round_key=key, round_salt=salt, **n.kwargs)    # a tied embedding's rows (emb_*)
+            copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
+            continue
+        if n.op == "call_function" and n.target in _EMBEDDING_OPS:
+            weight, grad_output, indices, states, last, rule, padding_idx, *rounding = n.args
+            kwargs = dict(weight=weight, grad_output=grad_output, indices=indices, states=list(states), rule=rule,
+                          padding_idx=padding_idx)
+            kwargs["scalars" if n.target is _EMBEDDING_OPS[1] else "hparams"] = \
+                last if n.target is _EMBEDDING_OPS[1] else list(last)
+            if rounding:
+                kwargs.update(round_key=rounding[0], round_salt=rounding[1])
             copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
             continue
         if n.op != "call_function" or n.target not in ops + group_ops:
@@ -522,7 +532,8 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
             kwargs["hparams" if op is group_ops[0] else "scalars"] = list(last)
             weight = list(weight)
         else:
-            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None)
+            # cast_out named (auto_functionalized looks every mutable argument up); a tied embedding's rows (emb_*)
+            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None, **n.kwargs)
             kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
         copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
     with graph.inserting_before(out_node):
@@ -534,6 +545,9 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
 
 
 _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
+# an embedding's fused update: with hyper-parameters, from a scalar table, rounded stochastically
+_EMBEDDING_OPS = (torch.ops.forge.embedding_update_.default, torch.ops.forge.embedding_update_table_.default,
+                  torch.ops.forge.embedding_update_rounded_.default)
 
 
 def _rounding_note(cands, unfused) -> str | None:
@@ -694,7 +708,9 @@ class _Compilation:
             out_node.args = (tuple(new_outs),)
             graph.lint()
 
-            decisions = rewrite_wgrad_updates(gm, names, fuse=True)
+            # embeddings too: forge::embedding_update_ from the gradient rows (no dense gradient), a tied lm_head's
+            # update with the embedding's rows added (wgrad_update_'s emb_* arguments)
+            decisions = rewrite_wgrad_updates(gm, names, fuse=True, embeddings=True)
             fp32_note = fp32_activation_note(gm)
 
             # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
@@ -1027,7 +1043,7 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
     group_op = torch.ops.forge.wgrad_update_group_.default
     af = _compat.auto_functionalized()
     fused = {n.kwargs["weight"] for n in gm.graph.nodes
-             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED)}
+             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED, *_EMBEDDING_OPS)}
     fused |= {w for n in gm.graph.nodes
               if n.op == "call_function" and n.target is af and n.args and n.args[0] is group_op
               for w in n.kwargs["weights"]}
@@ -1042,7 +1058,17 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
             lines.append(f"{'wgrad_update_rounded_' if rounded else 'wgrad_update_'}(W={roles[kw['weight']]}, "
                          f"dy_t={describe(kw['dy_t'])}, "
                          f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
-                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}{rounded})")
+                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}{rounded}"
+                         f"{', emb_rows' if kw.get('emb_grad_output') is not None else ''})")
+        elif n.target is af and n.args and n.args[0] in _EMBEDDING_OPS:
+            kw = n.kwargs
+            last = (f"scalars={describe(kw['scalars'])}" if "scalars" in kw else
+                    f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}]")
+            lines.append(f"{str(n.args[0]).split('.')[1]}(W={roles[kw['weight']]}, "
+                         f"grad_output={describe(kw['grad_output'])}, "
+                         f"indices={describe(kw['indices'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
+                         f"{last}, rule={kw['rule']}, padding_idx={kw['padding_idx']}"
+                         f"{', round_key, salt=' + str(kw['round_salt']) if 'round_salt' in kw else ''})")
         elif n.target is af and n.args and n.args[0] is group_op:
             kw = n.kwargs
             lines.append(f"wgrad_update_group_(W=[{', '.join(roles[w] for w in kw['weights'])}], "
@@ -1114,7 +1140,10 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
         raise TypeError(f"forge backend: stochastic_rounding takes a bool or an int seed, got {type(sr).__name__}")
     comp = _Compilation(gm, example_inputs, optimizer, bool(opts.get("fuse", True)),
                         opts.get("dump_dir"), inductor_opts, bool(table), decline=decline, sr_seed=sr_seed)
-    return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts)
+    # the embedding's backward kept whole (Inductor decomposes it into zeros + index_put, which the pass cannot
+    # take): the pass fuses it as forge::embedding_update_ from its gradient rows, as compile_train_step does
+    keep = (aten.embedding_dense_backward.default,) if comp.fuse and optimizer is not None else ()
+    return _compat.compile_fx_with_inner(gm, example_inputs, comp.inner_compile, inductor_opts, keep_ops=keep)
 
 
 _compat.register_dynamo_backend("forge", forge_backend)

@@ -59,6 +59,7 @@ wgrad_update_(W=block.down.weight, dy_t=T(computed), x=saved, states=[momentum_b
 wgrad_update_(W=block.up.weight, dy_t=T(computed), x=saved, states=[momentum_buffer], hparams=[lr, momentum, dampening], rule=sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False])
 wgrad_update_(W=block.proj.weight, dy_t=T(computed), x=saved, states=[momentum_buffer], hparams=[lr, momentum, dampening], rule=sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False])
 wgrad_update_(W=block.qkv.weight, dy_t=T(computed), x=saved, states=[momentum_buffer], hparams=[lr, momentum, dampening], rule=sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False])
+embedding_update_(W=emb.weight, grad_output=computed, indices=saved, states=[momentum_buffer], hparams=[lr, momentum, dampening], rule=sgd[momentum=True,nesterov=False,weight_decay=False,maximize=False], padding_idx=-1)
 copy_(head.weight)
 copy_(momentum_buffer)
 copy_(block.down.weight)
@@ -69,7 +70,9 @@ copy_(block.proj.weight)
 copy_(momentum_buffer)
 copy_(block.qkv.weight)
 copy_(momentum_buffer)
-gradients: block.down.bias=grad, block.down.weight=None, block.ln1.bias=grad, block.ln1.weight=grad, block.ln2.bias=grad, block.ln2.weight=grad, block.proj.weight=None, block.qkv.weight=None, block.up.bias=grad, block.up.weight=None, emb.weight=grad, head.weight=None""")
+copy_(emb.weight)
+copy_(momentum_buffer)
+gradients: block.down.bias=grad, block.down.weight=None, block.ln1.bias=grad, block.ln1.weight=grad, block.ln2.bias=grad, block.ln2.weight=grad, block.proj.weight=None, block.qkv.weight=None, block.up.bias=grad, block.up.weight=None, emb.weight=None, head.weight=None""")
 
     def test_no_optimizer_nothing_rewritten(self):
         g = _roles(DeepMLP(4, 6, 3), None, torch.randn(2, 4), lambda o: o.sum())

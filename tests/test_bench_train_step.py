@@ -201,10 +201,10 @@ def test_cpu_smoke_run_of_main(tmp_path, capsys):
         r = runs[route]
         assert r["linear_weights"] == 8 and r["fused_linear"] == 8 and r["unfused_linear"] == []
         assert not r["unmatched_rows"]
-        # the norms stay unfused (their gradient is alive in the step), and in the backend route the embedding;
-        # compile_train_step fuses the embedding's update (forge::embedding_update_)
+        # the norms stay unfused (their gradient is alive in the step); both routes fuse the embedding's update
+        # (forge::embedding_update_; the backend route since stop 37)
         emb = 128 * 64 * 4     # the tiny preset's vocabulary x d_model, fp32
-        assert r["grad_bytes"] == r["param_bytes"] - r["linear_dw_bytes"] - (emb if route == "step" else 0)
+        assert r["grad_bytes"] == r["param_bytes"] - r["linear_dw_bytes"] - emb
     assert runs["baseline"]["grad_bytes"] == runs["baseline"]["param_bytes"]
     if sys.platform.startswith("linux"):
         for route, r in runs.items():
