@@ -494,48 +494,27 @@ def _fake(fake_mode, t):
 
 
 def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
-    """Rewrite each raw ``forge::wgrad_update_`` (or ``wgrad_update_table_``, or a grouped one) into
-    ``auto_functionalized`` + ``copy_`` into its inputs at the end of the graph (what Inductor expects after
-    functionalization)."""
+    """Rewrite each raw fused op (``forge::wgrad_update_`` and its table / rounded / grouped forms, an embedding's
+    ``embedding_update_*``) into ``auto_functionalized`` + ``copy_`` into its inputs at the end of the graph (what
+    Inductor expects after functionalization)."""
     graph = gm.graph
-    ops = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default)
-    group_ops = (torch.ops.forge.wgrad_update_group_.default, torch.ops.forge.wgrad_update_group_table_.default)
     af_op = _compat.auto_functionalized()
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies = []
     for n in list(graph.nodes):
-        if n.op == "call_function" and n.target is _ROUNDED:
-            weight, dy_t, x, states, hparams, rule, key, salt = n.args
-            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), hparams=list(hparams), rule=rule,
-                          round_key=key, round_salt=salt, **n.kwargs)    # a tied embedding's rows (emb_*)
-            copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
+        if n.op != "call_function" or n.target not in _FUSED_OPS:
             continue
-        if n.op == "call_function" and n.target in _EMBEDDING_OPS:
-            weight, grad_output, indices, states, last, rule, padding_idx, *rounding = n.args
-            kwargs = dict(weight=weight, grad_output=grad_output, indices=indices, states=list(states), rule=rule,
-                          padding_idx=padding_idx)
-            kwargs["scalars" if n.target is _EMBEDDING_OPS[1] else "hparams"] = \
-                last if n.target is _EMBEDDING_OPS[1] else list(last)
-            if rounding:
-                kwargs.update(round_key=rounding[0], round_salt=rounding[1])
-            copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
-            continue
-        if n.op != "call_function" or n.target not in ops + group_ops:
-            continue
-        op = n.target
-        weight, dy_t, x, states, last, rule = n.args       # last: the hyper-parameters, or the table row(s)
-        # every mutable argument by name, the optional cast copies too (auto_functionalized looks each one up); the
-        # Dynamo route never passes them (its forward is another graph: nothing there could read the copy)
-        if op in group_ops:
-            kwargs = dict(weights=list(weight), dys_t=list(dy_t), xs=list(x), states=list(states), rule=rule,
-                          cast_outs=None)
-            kwargs["hparams" if op is group_ops[0] else "scalars"] = list(last)
-            weight = list(weight)
-        else:
-            # cast_out named (auto_functionalized looks every mutable argument up); a tied embedding's rows (emb_*)
-            kwargs = dict(weight=weight, dy_t=dy_t, x=x, states=list(states), rule=rule, cast_out=None, **n.kwargs)
-            kwargs["hparams" if op is ops[0] else "scalars"] = list(last) if op is ops[0] else last
-        copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, list(states))], fake_mode, af_op)
+        # every argument by its schema name, defaults included: auto_functionalized looks every mutable argument up
+        # (the cast copies, which the Dynamo route never passes: its forward is another graph, nothing there could
+        # read them); a tied embedding's rows come as kwargs (emb_*)
+        kwargs = {}
+        for i, arg in enumerate(_compat.op_schema(n.target).arguments):
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name, arg.default_value)
+            kwargs[arg.name] = list(v) if isinstance(v, (list, tuple)) else v
+        # each op mutates its weight(s) first and its states second (outputs 1 and 2 of auto_functionalized)
+        weight, states = n.args[0], list(n.args[3])
+        weight = list(weight) if isinstance(weight, (list, tuple)) else weight
+        copies += _auto_functionalize(graph, n, kwargs, [(1, weight), (2, states)], fake_mode, af_op)
     with graph.inserting_before(out_node):
         for dst, src in copies:
             c = graph.call_function(aten.copy_.default, (dst, src))
@@ -548,6 +527,10 @@ _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
 # an embedding's fused update: with hyper-parameters, from a scalar table, rounded stochastically
 _EMBEDDING_OPS = (torch.ops.forge.embedding_update_.default, torch.ops.forge.embedding_update_table_.default,
                   torch.ops.forge.embedding_update_rounded_.default)
+# every op the pass (and the table and grouping passes) may leave in a backward: functionalized alike
+_FUSED_OPS = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default, _ROUNDED,
+              torch.ops.forge.wgrad_update_group_.default, torch.ops.forge.wgrad_update_group_table_.default,
+              *_EMBEDDING_OPS)
 
 
 def _rounding_note(cands, unfused) -> str | None:

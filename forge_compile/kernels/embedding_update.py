@@ -24,6 +24,7 @@ row, as the fused linear ops; ``forge::embedding_update_rounded_``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -101,9 +102,9 @@ def compact_rows_by_id(grad_output, indices):
 
 
 _TEMPLATE = TRITON_RULE_HEAD + '''
-
-@triton.jit
-def embedding_update_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
+{rounding_helpers}
+{jit}
+def {module}_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,{ekey_param}
                             BR: tl.constexpr, BK: tl.constexpr):
 {scalar_loads}    rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -114,39 +115,23 @@ def embedding_update_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
     pos = tl.load(POS + rows, mask=rmask, other=-1)
     g = tl.load(G + pos.to(tl.int64)[:, None] * K + cols[None, :], mask=mask & (pos >= 0)[:, None],
                 other=0.0).to(tl.float32)
-    p = tl.load(P + off, mask=mask, other=0.0)
+    p = tl.load(P + off, mask=mask, other=0.0){to_f32}
 {state_loads}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}BR, BK)
-    tl.store(P + off, {new_p}, mask=mask)
+    tl.store(P + off, {w_store}, mask=mask)
 {state_stores}
 '''
 
-# bf16 W rounded stochastically (states bf16 or fp32): values in fp32, W stored through the spec's bits
-_TEMPLATE_ROUNDED = TRITON_RULE_HEAD + TRITON_SROUND + '''
+# A bf16 W rounded stochastically (states bf16 or fp32): values in fp32, W stored through the spec's bits, states
+# rounded to nearest (_cast_to: torch's cast); the key an argument never specialized (a key of 1 would become a
+# constexpr)
+_ROUNDING_HELPERS = TRITON_SROUND + '''
 
 @triton.jit
 def _cast_to(x, dtype: tl.constexpr):
     # torch's cast: round to nearest, ties to even
 {cast_body}
 
-
-# EKEY never specialized: a key of 1 would become a constexpr
-@triton.jit(do_not_specialize=["EKEY"])
-def embedding_update_rounded_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K, EKEY,
-                                    BR: tl.constexpr, BK: tl.constexpr):
-{scalar_loads}    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask = rows < N
-    mask = rmask[:, None] & (cols < K)[None, :]
-    off = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    pos = tl.load(POS + rows, mask=rmask, other=-1)
-    g = tl.load(G + pos.to(tl.int64)[:, None] * K + cols[None, :], mask=mask & (pos >= 0)[:, None],
-                other=0.0).to(tl.float32)
-    p = tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
-{state_loads}
-    {new_vars} = _rule(p, g, {state_vars}{scalar_params}BR, BK)
-    tl.store(P + off, _cast_to(_sround_bits({new_p}, off, EKEY), tl.bfloat16), mask=mask)
-{state_stores}
 '''
 
 # rows x columns per program: 1024 elements per 4 warps, rule_update_'s block, which measured best there (2048: 1-8 %
@@ -155,19 +140,25 @@ def embedding_update_rounded_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params
 BR, BK = 4, 256
 
 
-def render_embedding_update_source(ep) -> str:
-    return render_elementwise_source(ep, _TEMPLATE, "embedding_update")
-
-
-def render_embedding_update_rounded_source(ep, template: str = _TEMPLATE_ROUNDED,
-                                           module: str = "embedding_update_rounded") -> str:
+def render_embedding_update_source(ep, template: str = _TEMPLATE, module: str = "embedding_update",
+                                   rounded: bool = False) -> str:
+    """The kernel module; ``rounded``: for a bf16 weight rounded stochastically (``{module}_kernel`` takes EKEY)."""
     from .wgrad_update_triton import _CAST_BODY
 
+    if not rounded:     # fp32 W and states: the shared element-wise rendering, W stored as the rule left it
+        plain = {"{rounding_helpers}": "", "{jit}": "@triton.jit", "{ekey_param}": "", "{to_f32}": "",
+                 "{w_store}": "{new_p}"}
+        for field, text in plain.items():
+            template = template.replace(field, text)
+        return render_elementwise_source(ep, template, module)
     states = ep.tensor_inputs[2:]
     ptrs = [s.upper() for s in states]
     new_vars = [f"new_{v}" for v in ("p", *states)]
     return template.format(
-        **triton_fields(ep, True, "SCAL"), module=module, cast_body=_CAST_BODY[ep.target],
+        **triton_fields(ep, True, "SCAL"), module=module,
+        rounding_helpers=_ROUNDING_HELPERS.format(cast_body=_CAST_BODY[ep.target]),
+        jit='@triton.jit(do_not_specialize=["EKEY"])', ekey_param=" EKEY,", to_f32=".to(tl.float32)",
+        w_store=f"_cast_to(_sround_bits({new_vars[0]}, off, EKEY), tl.bfloat16)",
         state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
                               for s, p in zip(states, ptrs)),
         state_stores="\n".join(f"    tl.store({p} + off, _cast_to({v}, {p}.dtype.element_ty), mask=mask)"
@@ -177,9 +168,9 @@ def render_embedding_update_rounded_source(ep, template: str = _TEMPLATE_ROUNDED
 
 def _kernel_for(rule: Rule, target: str, rounded: bool = False):
     if rounded:
-        return elementwise_kernel(rule, target, _TEMPLATE_ROUNDED, "embedding_update_rounded",
-                                  render_embedding_update_rounded_source)
-    return elementwise_kernel(rule, target, _TEMPLATE, "embedding_update")
+        return elementwise_kernel(rule, target, _TEMPLATE, "embedding_update_rounded",
+                                  functools.partial(render_embedding_update_source, rounded=True))
+    return elementwise_kernel(rule, target, _TEMPLATE, "embedding_update", render_embedding_update_source)
 
 
 # ----------------------------------------------------------------------------------------------------
