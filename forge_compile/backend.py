@@ -212,6 +212,14 @@ def _round_before_step(opt, args, kwargs):
         return
     seed, plans = entry
     todo = [(pl, salt) for pl, salt in plans if pl.param.grad is not None and pl.param.grad.layout == torch.strided]
+    sparse = [salt for pl, salt in plans if pl.param.grad is not None and pl.param.grad.layout != torch.strided]
+    if sparse:
+        # the spec rounds a dense update; a sparse one stays torch.optim's (round to nearest): said, not silent
+        counters["round_sparse_left"] += len(sparse)
+        if new := [s for s in sparse if (id(opt), s) not in _SPARSE_WARNED]:
+            _SPARSE_WARNED.update((id(opt), s) for s in new)
+            log.warning("forge: stochastic_rounding: the bf16 parameter(s) %s of the optimizer (index in its "
+                        "param_groups) got a sparse gradient; torch.optim updates them with round-to-nearest", new)
     if not todo:
         return
     from .kernels.stochastic_round import element_key
@@ -232,6 +240,7 @@ def _round_before_step(opt, args, kwargs):
 
 
 _round_before_step._forge_internal = True
+_SPARSE_WARNED: set = set()
 _PRE_STEP_HOOK = register_optimizer_step_pre_hook(_round_before_step)
 
 

@@ -100,13 +100,10 @@ def test_fused_bf16_weight_is_the_spec_on_the_fp32_dw(device):
 
 @pytest.mark.parametrize("route", ["step", "backend"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_bf16_embedding_is_the_spec(device, route, monkeypatch):
+def test_fused_bf16_embedding_is_the_spec(device, route):
     # loss = sum(c * emb(idx)): the embedding's gradient is c's rows summed per index (its dense backward); the step
-    # updates the bf16 table from the compact rows with the spec's rounding, the salt its index in the step (on
-    # CUDA fused only with FORGE_SR_EMBEDDING=1 until this test has passed on a GPU)
+    # updates the bf16 table from the compact rows with the spec's rounding, the salt its index in the step
     from forge_compile.kernels.embedding_update import reference_embedding_update
-
-    monkeypatch.setenv("FORGE_SR_EMBEDDING", "1")
 
     torch.manual_seed(0)
     v, k, shape = 50, 24, (3, 7)
@@ -470,17 +467,31 @@ def test_backend_rounding_takes_no_scalar_table():
     assert any(n.startswith("scalar_table: not used: stochastically rounded") for n in rep.notes), rep
 
 
-def test_cuda_embedding_rounding_is_gated_until_gpu_run(monkeypatch):
-    # decided before any tensor exists: on CUDA an embedding's rounded update stays unfused with the reason unless
-    # FORGE_SR_EMBEDDING=1; on CPU it fuses
-    import types
+def test_backend_sparse_gradient_is_said_not_rounded(caplog):
+    # the pre-step hook rounds dense gradients only: a bf16 parameter with a sparse one keeps torch.optim's update
+    # (round to nearest), and the user is told once, with its index in the optimizer
+    import logging
 
-    from forge_compile.passes.wgrad_update_pattern import _rounding_unsupported
+    from forge_compile.backend import counters
 
-    match = types.SimpleNamespace(embedding=True)
-    monkeypatch.delenv("FORGE_SR_EMBEDDING", raising=False)
-    why = _rounding_unsupported(match, types.SimpleNamespace(device=torch.device("cuda"), shape=(8, 8)))
-    assert why is not None and "FORGE_SR_EMBEDDING=1" in why
-    assert _rounding_unsupported(match, torch.empty(8, 8, dtype=torch.bfloat16)) is None
-    monkeypatch.setenv("FORGE_SR_EMBEDDING", "1")
-    assert _rounding_unsupported(match, types.SimpleNamespace(device=torch.device("cuda"), shape=(8, 8))) is None
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True).to(torch.bfloat16)
+    ref = copy.deepcopy(emb)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    compiled = _backend_compile(emb, opt, stochastic_rounding=3)
+    before = counters["round_sparse_left"]
+    with caplog.at_level(logging.WARNING, logger="forge_compile.backend"):
+        for _ in range(2):
+            idx = torch.tensor([1, 3, 3, 7])
+            compiled(idx).float().sum().backward()
+            ref(idx).float().sum().backward()
+            assert emb.weight.grad.layout == torch.sparse_coo
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    assert torch.equal(emb.weight, ref.weight)
+    assert counters["round_sparse_left"] - before == 2
+    said = [r for r in caplog.records if "sparse gradient" in r.getMessage()]
+    assert len(said) == 1 and "[0]" in said[0].getMessage()

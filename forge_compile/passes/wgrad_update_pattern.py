@@ -535,18 +535,10 @@ def sr_fused_max_tokens(w) -> int:
     return SR_GLUON_MAX_TOKENS if wg.takes_rounded(w.device, *w.shape) else SR_FUSED_MAX_TOKENS
 
 
-# A bf16 embedding's rounded update (forge::embedding_update_rounded_) on CUDA: its Triton kernel is bitwise the spec
-# in Triton's interpreter and compiles for sm_90 without spills (stop 37), but has not run on a GPU yet -- off there
-# until tests/test_stochastic_round_step.py::test_fused_bf16_embedding_is_the_spec[cuda] and test_embedding_update.py's
-# CUDA rounded test (which turn it on) pass on one. FORGE_SR_EMBEDDING=1 turns it on; CPU always fuses it.
-SR_EMBEDDING_ENV = "FORGE_SR_EMBEDDING"
 
 
 def _rounding_unsupported(match: _Match, w) -> Optional[str]:
     """Why a bf16 weight rounded stochastically is left unfused, or None."""
-    if match.embedding and w.device.type == "cuda" and os.environ.get(SR_EMBEDDING_ENV, "0") != "1":
-        return ("stochastic rounding of an embedding on CUDA: its fused kernel has not run on a GPU yet (updated "
-                f"unfused, rounded stochastically; {SR_EMBEDDING_ENV}=1 fuses it)")
     if match.embedding or w.device.type != "cuda":
         # an embedding's fused update is element-wise over W (no GEMM): no token count where unfused is faster
         return None
