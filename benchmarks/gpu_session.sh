@@ -30,9 +30,12 @@ if [ "${TESTS:-x}" != "0" ]; then
   # the tests that take the time
   [ -z "${TESTS:-}" ] && [ "$DEFAULT_TESTS" = tests ] && : ${TEST_TIMEOUT:=420}
   # -v (and no -q, which cancels it): each test's outcome is logged as it ends, so a run cut by the timeout (no summary) still names its failures
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
+  # SIGINT first: pytest (xdist too) stops and still prints its failures' tracebacks and the durations
+  timeout -s INT -k 30 ${TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -n ${TEST_PROCS:-12} --durations=15 \
     ${TESTS:-$DEFAULT_TESTS} ${TEST_ARGS:-} > $OUT/pytest.log 2>&1
   stamp "pytest rc=$?"; grep -E "^[0-9.]+s (call|setup)" $OUT/pytest.log | head -8; tail -3 $OUT/pytest.log
+  # the slowest tests as they ended (tests/conftest.py), kept with a cut run too
+  cat /tmp/forge_results/durations_*.txt 2>/dev/null | sort -rn | head -12
   echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' $OUT/pytest.log)"
   grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) |^(FAILED|ERROR) " $OUT/pytest.log | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' \
     | sort -u | head -30

@@ -12,6 +12,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_runtest_logreport(report):
+    # the GPU session (benchmarks/gpu_session.sh) sets FORGE_RESULTS: each test's phase, outcome and seconds are
+    # appended as they end, so a run cut by the call's time limit still says what took the time and what failed
+    out = os.environ.get("FORGE_RESULTS")
+    if out and (report.when == "call" or report.outcome != "passed"):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(out, f"durations_{worker}.txt"), "a") as f:
+            f.write(f"{report.duration:.2f} {report.when} {report.outcome} {report.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
