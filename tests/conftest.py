@@ -15,10 +15,10 @@ import torch  # noqa: E402
 def pytest_runtest_logreport(report):
     # the GPU session (benchmarks/gpu_session.sh) sets FORGE_RESULTS: each test's phase, outcome and seconds are
     # appended as they end, so a run cut by the call's time limit still says what took the time and what failed
+    # (under xdist the controller receives every worker's reports too: it alone writes)
     out = os.environ.get("FORGE_RESULTS")
-    if out and (report.when == "call" or report.outcome != "passed"):
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        with open(os.path.join(out, f"durations_{worker}.txt"), "a") as f:
+    if out and "PYTEST_XDIST_WORKER" not in os.environ and (report.when == "call" or report.outcome != "passed"):
+        with open(os.path.join(out, "durations.txt"), "a") as f:
             f.write(f"{report.duration:.2f} {report.when} {report.outcome} {report.nodeid}\n")
 
 
@@ -27,7 +27,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+def _touches_cuda(item) -> bool:
+    # marked gpu, named or parametrized for CUDA, or skipped without one
+    if "gpu" in item.keywords or "cuda" in item.nodeid.lower():
+        return True
+    return any(m.name == "skipif" and any(w in str(m.kwargs.get("reason", "")) for w in ("GPU", "CUDA", "cuda"))
+               for m in item.iter_markers())
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FORGE_GPU_ONLY") == "1":
+        # the GPU session's option (gpu_session.sh CPU_TESTS=0): CPU tests are CI's, and on the device machine
+        # Inductor's C++ compiles under 12 processes made some take 60-130 s (stop 38) -- device time better spent
+        cpu_only = pytest.mark.skip(reason="CPU test (FORGE_GPU_ONLY=1): CI runs it")
+        for item in items:
+            if not _touches_cuda(item):
+                item.add_marker(cpu_only)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (GPU tests run on the H200 through the device tool)")
