@@ -535,8 +535,6 @@ def sr_fused_max_tokens(w) -> int:
     return SR_GLUON_MAX_TOKENS if wg.takes_rounded(w.device, *w.shape) else SR_FUSED_MAX_TOKENS
 
 
-
-
 def _rounding_unsupported(match: _Match, w) -> Optional[str]:
     """Why a bf16 weight rounded stochastically is left unfused, or None."""
     if match.embedding or w.device.type != "cuda":
