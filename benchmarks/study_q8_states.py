@@ -7,6 +7,8 @@ of a W tile per block, so blocks are 128 consecutive elements of a row, one fp32
   e4m3        fp8 e4m3 of x / absmax * 448 (Hopper converts in hardware: cvt.rn.satfinite.e4m3x2.f32; torch's
               .to(torch.float8_e4m3fn) rounds the same way) for m and v
   e4m3_sqrtv  as e4m3, but v stored as sqrt(v) (half the dynamic range in log scale: small v no longer underflow)
+  e4m3_sr     as e4m3, rounded stochastically to a neighbouring e4m3 value (unbiased: a v whose per-step change is
+              below half a code step still moves on average)
   bf16        2-byte states rounded to nearest (what torch.optim keeps for bf16 parameters), for scale
 against fp32 states. Every state is dequantized, updated by torch's AdamW arithmetic in fp32, re-quantized.
 Model: a 2-layer causal transformer, character-level on this repository's text (README.md + NOTES), fp32 weights.
@@ -41,17 +43,34 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(data))
 
 
+def _e4m3_stochastic(x: torch.Tensor) -> torch.Tensor:
+    """x (|x| <= 448) rounded to one of its two neighbouring e4m3 values, up with probability equal to the
+    distance from the lower one over the gap: unbiased (the study draws torch.rand; a kernel would use the
+    stochastic_round.py hash with its own salt)."""
+    a = x.abs()
+    near = a.to(torch.float8_e4m3fn)
+    bits = near.view(torch.uint8).to(torch.int16)
+    nf = near.float()
+    lo_bits = torch.where(nf > a, (bits - 1).clamp_min(0), bits)
+    hi_bits = torch.where(nf > a, bits, (bits + 1).clamp_max(0x7E))     # 0x7E = 448, the largest finite
+    lo = lo_bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    hi = hi_bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    gap = (hi - lo).clamp_min(1e-30)
+    up = torch.rand_like(a) < (a - lo) / gap
+    return torch.where(up, hi, lo) * x.sign()
+
+
 class Quant:
     def __init__(self, kind: str):
         self.kind = kind
         self.maps = {True: dynamic_map(True), False: dynamic_map(False)}
 
-    def roundtrip(self, x: torch.Tensor, signed: bool, is_v: bool) -> torch.Tensor:
-        """x (fp32) -> what the 8-bit (or bf16) state holds after storing it, dequantized."""
-        if self.kind == "fp32":
-            return x
-        if self.kind == "bf16":
-            return x.bfloat16().float()
+    def roundtrip(self, x: torch.Tensor, signed: bool, is_v: bool, codes: bool = False):
+        """x (fp32) -> what the 8-bit (or bf16) state holds after storing it, dequantized; ``codes``: also the
+        stored codes (the value before the block scale), to tell a code that moved from a scale that did."""
+        if self.kind in ("fp32", "bf16"):
+            d = x if self.kind == "fp32" else x.bfloat16().float()
+            return (d, d) if codes else d
         shape = x.shape
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
         k = rows.shape[1]
@@ -66,11 +85,16 @@ class Quant:
             mid = (code[1:] + code[:-1]) / 2
             q = code[torch.bucketize(y, mid)]
             d = q * amax
+        elif self.kind == "e4m3_sr":
+            q = _e4m3_stochastic(b / amax * 448)
+            d = q / 448 * amax
         else:
-            d = (b / amax * 448).to(torch.float8_e4m3fn).float() / 448 * amax
+            q = (b / amax * 448).to(torch.float8_e4m3fn).float()
+            d = q / 448 * amax
         if self.kind == "e4m3_sqrtv" and is_v:
             d = d * d
-        return d.reshape(rows.shape[0], -1)[:, :k].reshape(shape)
+        d = d.reshape(rows.shape[0], -1)[:, :k].reshape(shape)
+        return (d, q.reshape(rows.shape[0], -1)[:, :k].reshape(shape)) if codes else d
 
 
 class QAdamW(torch.optim.Optimizer):
@@ -79,6 +103,11 @@ class QAdamW(torch.optim.Optimizer):
     def __init__(self, params, quant: Quant, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.quant = quant
+        # per step, the share of m / v elements whose stored code did not move: an update below half a code step is
+        # rounded away (v moves by (1 - beta2) = 0.1 % per step, below e4m3's ~3 % half-step); with block scales
+        # the value still moves with its block's absmax
+        self.frozen = {"m": [], "v": []}
+        self.codes = {}
 
     @torch.no_grad()
     def step(self):
@@ -99,8 +128,15 @@ class QAdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, denom, value=-g["lr"] / (1 - b1 ** t))
                 # only 2-D weights get 8-bit states (as bitsandbytes' min_8bit_size: small tensors stay fp32)
                 low = p.dim() == 2
-                st["m"] = self.quant.roundtrip(m, True, False) if low else m
-                st["v"] = self.quant.roundtrip(v, False, True) if low else v
+                if low:
+                    (m, cm), (v, cv) = self.quant.roundtrip(m, True, False, True), self.quant.roundtrip(v, False, True,
+                                                                                                      True)
+                    old = self.codes.get(p)
+                    if old is not None:
+                        self.frozen["m"].append((cm == old[0]).float().mean().item())
+                        self.frozen["v"].append((cv == old[1]).float().mean().item())
+                    self.codes[p] = (cm, cv)
+                st["m"], st["v"] = m, v
 
 
 class Block(nn.Module):
@@ -163,7 +199,9 @@ def run(kind, seed, steps, lr, train, val, vocab, seq=128, bsz=16):
     with torch.no_grad():
         g = torch.Generator().manual_seed(1234)
         ev = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches(val, 20, seq, bsz, g)]
-    return sum(losses[-50:]) / 50, sum(ev) / len(ev), losses
+    late = {k: v[len(v) // 2:] for k, v in opt.frozen.items()}     # the second half of the run
+    frozen = {k: sum(v) / max(1, len(v)) for k, v in late.items()}
+    return sum(losses[-50:]) / 50, sum(ev) / len(ev), losses, frozen
 
 
 def probe(steps, lr, train, vocab, kinds, at=(50, 200, 400, 600), seq=128, bsz=16):
@@ -186,6 +224,7 @@ def probe(steps, lr, train, vocab, kinds, at=(50, 200, 400, 600), seq=128, bsz=1
         for kind, q in quants.items():
             num = den = 0.0
             worst = 0.0
+            mag = [0.0, 0.0]     # sum |update|, quantized and fp32: a ratio above 1 is a larger effective step
             for p in model.parameters():
                 if p.dim() != 2:
                     continue
@@ -197,9 +236,12 @@ def probe(steps, lr, train, vocab, kinds, at=(50, 200, 400, 600), seq=128, bsz=1
                 num += (got - ref).pow(2).sum().item()
                 den += ref.pow(2).sum().item()
                 worst = max(worst, (got.abs() / ref.abs().clamp_min(1e-3)).max().item())
-            out.append((t, kind, math.sqrt(num / den), worst))
+                mag[0] += got.abs().sum().item()
+                mag[1] += ref.abs().sum().item()
+            out.append((t, kind, math.sqrt(num / den), worst, mag[0] / mag[1]))
             print(f"step {t:4d} {kind:11s} update rel. L2 error {math.sqrt(num / den):.2e}   "
-                  f"largest |update| / |fp32 update| {worst:.1f}", flush=True)
+                  f"largest |update| / |fp32 update| {worst:.1f}   sum |update| / fp32's {mag[0] / mag[1]:.4f}",
+                  flush=True)
     return out
 
 
@@ -208,7 +250,7 @@ def main():
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--kinds", default="fp32,bf16,dyn8,e4m3,e4m3_sqrtv")
+    p.add_argument("--kinds", default="fp32,bf16,dyn8,e4m3,e4m3_sqrtv,e4m3_sr")
     p.add_argument("--probe", action="store_true", help="only the per-step update error of each format")
     a = p.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -225,10 +267,10 @@ def main():
     for kind in a.kinds.split(","):
         for seed in (int(s) for s in a.seeds.split(",")):
             t0 = time.time()
-            tr, ev, _ = run(kind, seed, a.steps, a.lr, train, val, vocab)
+            tr, ev, _, frozen = run(kind, seed, a.steps, a.lr, train, val, vocab)
             rows.append((kind, seed, tr, ev))
-            print(f"{kind:11s} seed {seed}: train (last 50) {tr:.4f}  eval {ev:.4f}  ({time.time() - t0:.0f} s)",
-                  flush=True)
+            print(f"{kind:11s} seed {seed}: train (last 50) {tr:.4f}  eval {ev:.4f}  unmoved per step (2nd half): "
+                  f"m {frozen['m']:.1%} v {frozen['v']:.1%}  ({time.time() - t0:.0f} s)", flush=True)
     print("\n| states | train loss (last 50 steps), mean over seeds | eval loss | eval - fp32 |")
     print("|---|---|---|---|")
     base = [r[3] for r in rows if r[0] == "fp32"]

@@ -43,3 +43,13 @@ def test_script_runs():
     r = subprocess.run([sys.executable, SCRIPT, "--steps", "2", "--seeds", "0", "--kinds", "fp32,dyn8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "| dyn8 |" in r.stdout, r.stdout + r.stderr
+
+
+def test_e4m3_stochastic_is_unbiased_between_neighbours():
+    torch.manual_seed(0)
+    x = torch.full((100000,), 1.03) * torch.tensor([1.0, -1.0]).repeat(50000)
+    q = st._e4m3_stochastic(x)
+    # 1.03 lies between the e4m3 values 1.0 and 1.125: only those, in the proportion that keeps the mean
+    assert set(q.abs().unique().tolist()) == {1.0, 1.125}
+    assert abs(q[::2].mean().item() - 1.03) < 2e-3 and abs(q[1::2].mean().item() + 1.03) < 2e-3
+    assert torch.equal(st._e4m3_stochastic(torch.tensor([448.0, 0.0, 1.0])), torch.tensor([448.0, 0.0, 1.0]))
