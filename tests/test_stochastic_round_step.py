@@ -111,27 +111,13 @@ def test_fused_bf16_embedding_is_the_spec(device, route):
     opt = torch.optim.AdamW(emb.parameters(), lr=1e-3, weight_decay=0.01)
     c = torch.randn(*shape, k, device=device).to(torch.bfloat16)
 
-    def body(idx, c):
-        loss = (emb(idx).float() * c.float()).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     if route == "step":
-        step = forge.compile_train_step(body, stochastic_rounding=9)
+        step = forge.compile_train_step(_linear_step(emb, opt), stochastic_rounding=9)
     else:       # the Dynamo route: the embedding's backward kept whole, fused as embedding_update_rounded_
         from forge_compile import backend
 
         backend.clear_reports()
-        cemb = _backend_compile(emb, opt, stochastic_rounding=9)
-
-        def step(idx, c):
-            loss = (cemb(idx).float() * c.float()).sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
+        step = _linear_step(_backend_compile(emb, opt, stochastic_rounding=9), opt)
     w = emb.weight.detach().clone()
     st = [torch.tensor(0.0), torch.zeros(v, k, dtype=torch.bfloat16, device=device),
           torch.zeros(v, k, dtype=torch.bfloat16, device=device)]
