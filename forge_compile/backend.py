@@ -56,7 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from . import _compat
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
-from .kernels.stochastic_round import round_key
+from .kernels.stochastic_round import element_key, round_key
 from .kernels.wgrad_update import triton_on_cpu
 from .kernels.wgrad_update_triton import split_states
 from .passes.scalar_table import fill_table, use_scalar_table
@@ -222,8 +222,6 @@ def _round_before_step(opt, args, kwargs):
                         "param_groups) got a sparse gradient; torch.optim updates them with round-to-nearest", new)
     if not todo:
         return
-    from .kernels.stochastic_round import element_key
-
     if not _ROUNDED_UPDATE:
         _ROUNDED_UPDATE.append(torch.compile(_rounded_update, fullgraph=True))
     key = round_key(seed, _tracker(opt).steps)
@@ -413,10 +411,13 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries, table=None, rounding=None):
+    def __init__(self, opt, entries, table=None, rounding=None, seed=None):
         self.opt = opt
-        # stochastic rounding: (seed, the 0-dim int64 key tensor appended last, filled before each backward)
+        # stochastic rounding: (seed, the 0-dim int64 key tensor appended last, filled before each backward); with a
+        # table the rounded rows hold their element keys instead (table_rounds: row -> salt, ``seed``)
         self.rounding = rounding
+        self.seed = seed
+        self.table_rounds = {}
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
         self.cache = StateCache()
@@ -424,7 +425,7 @@ class _Extras:
         # table itself (fp32 on the parameters' device)
         self.table_rows = self.table = None
         if table is not None:
-            plans, width = table
+            plans, width, self.table_rounds = table
             by_plan = {id(e.plan): e for e in self.entries}
             self.table_rows = [by_plan[id(pl)] for pl in plans]
             self.table = torch.zeros((len(plans), width), dtype=torch.float32, device=plans[0].param.device)
@@ -441,7 +442,11 @@ class _Extras:
                 out.extend(e.hparams.tensors)
         if self.table is not None:
             # the scalars as a normal launch would get them; the scalar states advance here
-            fill_table(self.table, [(e.rule, e.states, e.hparams.tensors) for e in self.table_rows])
+            rounds = self.table_rounds
+            key = round_key(self.seed, _tracker(self.opt).steps) if rounds else None
+            fill_table(self.table, [(e.rule, e.states, e.hparams.tensors)
+                                    + ((element_key(key, rounds[r]),) if r in rounds else ())
+                                    for r, e in enumerate(self.table_rows)])
             out.append(self.table)
         if self.rounding is not None:
             seed, key = self.rounding
@@ -732,14 +737,17 @@ class _Compilation:
                 key_ph = None
             rounding_note = _rounding_note(cands, unfused) if self.sr_seed is not None else None
             table, table_note, grouped_note = None, None, None
-            if self.scalar_table and key_ph is not None:
-                table_note = ("scalar_table: not used: stochastically rounded updates take a new key from the host "
-                              "at every step (the backward is not replayed as a CUDA graph)")
-            elif self.scalar_table and any(i not in unfused for i, _ in cands):
+            if self.scalar_table and any(i not in unfused for i, _ in cands):
                 if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
                     table = self._use_table(gm, cands, unfused, ph_of)
                     table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
                                   "table written before each backward (the backward can be a CUDA graph)")
+                    if table[2]:
+                        table_note += (f"; {len(table[2])} stochastically rounded updates read their step's random "
+                                       "key from their row")
+                    if key_ph is not None and not key_ph.users:     # the rows hold the keys now
+                        graph.erase_node(key_ph)
+                        key_ph = None
                 else:
                     table_note = "scalar_table: not used (the fused weights are not on a CUDA device)"
             if group_updates_enabled():
@@ -750,7 +758,8 @@ class _Compilation:
 
             extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
             extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table,
-                             None if key_ph is None else (self.sr_seed, torch.zeros((), dtype=torch.int64)))
+                             None if key_ph is None else (self.sr_seed, torch.zeros((), dtype=torch.int64)),
+                             self.sr_seed)
             if table is not None:
                 # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
                 # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
@@ -788,15 +797,16 @@ class _Compilation:
 
     def _use_table(self, gm, cands, unfused, ph_of):
         """scalar_table: the fused updates read their scalars from one table placeholder appended last; returns
-        (the fused plans in row order, the table's width). Their scalar-state and hyper-parameter placeholders go
-        away."""
+        (the fused plans in row order, the table's width, row -> salt of the stochastically rounded updates, whose
+        rows also hold their step's element key). Their scalar-state and hyper-parameter placeholders go away."""
         index = dict(cands)
         plan_of = {n: i for i in index if i not in unfused for n in ph_of[i][1] + ph_of[i][2]}
-        rows, width = use_scalar_table(gm, plan_of)
+        round_rows: dict = {}
+        rows, width = use_scalar_table(gm, plan_of, round_rows=round_rows)
         for n in plan_of:
             if not n.users:      # the scalar states and hyper-parameters: the table replaces them
                 gm.graph.erase_node(n)
-        return [index[i] for i in rows], width
+        return [index[i] for i in rows], width, round_rows
 
     def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime, roles=None):
         directory = _dump_dir(self.dump_dir)

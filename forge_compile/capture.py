@@ -42,7 +42,7 @@ from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, w
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .kernels.stochastic_round import round_key
+from .kernels.stochastic_round import element_key, round_key
 from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates, stochastic_rounding_note
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -246,6 +246,7 @@ class _Compiled:
     table: torch.Tensor | None = None  # cuda_graphs: the scalar table, row r for plan ``table_plans[r]``
     table_plans: tuple = ()
     table_scaled: frozenset = frozenset()  # rows of fused updates that clip: filled for grad_scaled_rule(rule)
+    table_rounds: dict = dataclasses.field(default_factory=dict)   # row -> salt of the rounded updates' rows
     casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
     grads_in: tuple = ()     # parameter indices whose incoming .grad the step reads (its last inputs)
     grads_cleared: tuple = ()    # parameter indices whose incoming .grad the step drops (zero_grad() first)
@@ -552,11 +553,7 @@ class CompiledTrainStep:
         out_info["table"] = None
         if rounding := stochastic_rounding_note(gm, decisions):
             report.notes.append(rounding)
-        if self._cuda_graphs and self._rounds(plans):
-            report.notes.append("cuda_graphs: the step is not replayed as a CUDA graph: stochastic rounding draws "
-                                "new random bits at every step (a key the host sets per call)")
-            log.warning("forge: %s", report.notes[-1])
-        elif self._cuda_graphs:
+        if self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
                                                 report, len(out_info["casts"]))
         if group_updates_enabled() and (note := group_note(group_wgrad_updates(gm, names))):
@@ -584,6 +581,10 @@ class CompiledTrainStep:
                 plan_of[placeholders[pos]] = i
                 scalar_inputs.add(placeholders[pos])
                 pos += 1
+        if self._rounds(plans):
+            # the round key (a CPU tensor set per call): replaced by each rounded update's key word in its row
+            scalar_inputs.add(placeholders[pos])
+            pos += 1
         pos += n_casts
         # the placeholders after the hyper-parameters (and weight copies) are the step's tensor arguments
         labels = dict(names)
@@ -594,14 +595,18 @@ class CompiledTrainStep:
             log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)
             return None
         scaled_rows: set = set()
-        table_plans, width = use_scalar_table(gm, plan_of, scaled_rows)
+        round_rows: dict = {}
+        table_plans, width = use_scalar_table(gm, plan_of, scaled_rows, round_rows)
         report.notes.append(f"cuda_graphs: replayed as one CUDA graph; {len(table_plans)} updates read their "
                             "step-dependent scalars from a device table written before each replay")
+        if round_rows:
+            report.notes.append(f"cuda_graphs: {len(round_rows)} stochastically rounded updates read their step's "
+                                "random key from their table row (new bits at every replay)")
         if scaled_rows:
             report.notes.append(f"cuda_graphs: {len(scaled_rows)} fused updates read their gradient factor "
                                 "(clip_grad_norm_'s coefficient, data parallel's 1/world) from their table row, "
                                 "written there on the device by the step")
-        return table_plans, width, frozenset(scaled_rows)
+        return table_plans, width, frozenset(scaled_rows), round_rows
 
     def _prepare(self):
         modules, optimizers = self._targets()
@@ -746,16 +751,21 @@ class CompiledTrainStep:
         self.last_report = entry.report
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in entry.grads_in]
         flat = pre + (weight_casts(walk.params, entry.casts) if entry.casts else []) + arg_tensors
+        key = None
         if self._sr_seed is not None:
             # a new key per call (stochastic_round.round_key): the same on every data-parallel rank
-            self._round_key.fill_(round_key(self._sr_seed, self.round_calls))
+            key = round_key(self._sr_seed, self.round_calls)
+            self._round_key.fill_(key)
             self.round_calls += 1
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
-            fill_table(entry.table, [(grad_scaled_rule(plans[i][1].rule), states[i], list(hparams[i]) + [_ONE64])
-                                     if r in entry.table_scaled else (plans[i][1].rule, states[i], hparams[i])
-                                     for r, i in enumerate(entry.table_plans)])
+            rounds = entry.table_rounds
+            fill_table(entry.table, [
+                ((grad_scaled_rule(plans[i][1].rule), states[i], list(hparams[i]) + [_ONE64])
+                 if r in entry.table_scaled else (plans[i][1].rule, states[i], hparams[i]))
+                + ((element_key(key, rounds[r]),) if r in rounds else ())
+                for r, i in enumerate(entry.table_plans)])
             outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
         if entry.casts:
@@ -785,7 +795,7 @@ class CompiledTrainStep:
         if out_info["table"] is None:
             gm = _decompose_remaining_updates(gm, flat)
         else:    # every update reads the table: nothing left to decompose
-            table_plans, width, scaled_rows = out_info["table"]
+            table_plans, width, scaled_rows, round_rows = out_info["table"]
             table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
         _compat.reset_reinplace_counters()
         # the user's Inductor options first, forge's required settings over them; buffers freed at their last
@@ -808,6 +818,7 @@ class CompiledTrainStep:
             entry.graph = StepGraph(compiled, range(n_static, len(flat)))
             entry.table, entry.table_plans = table, tuple(table_plans)
             entry.table_scaled = scaled_rows
+            entry.table_rounds = round_rows
         self._cache[key] = entry
         self.compile_count += 1
         counters["compiles"] += 1
@@ -1001,8 +1012,9 @@ def compile_train_step(fn=None, *, dump_dir=None, fuse=True, models=None, optimi
     data-parallel rank, independent of torch's generators (the step's ``round_calls`` is that count: a run resumed
     from a checkpoint sets it to the step it resumes at to draw the bits the uninterrupted run would have). Without
     the option bf16 parameters are updated by
-    torch.optim's arithmetic as in eager (and left unfused). fp32 and fp16 parameters are not affected. Steps that
-    round this way are not replayed as CUDA graphs (``cuda_graphs`` then runs them as without it)."""
+    torch.optim's arithmetic as in eager (and left unfused). fp32 and fp16 parameters are not affected. With
+    ``cuda_graphs`` the step is replayed like any other: each rounded update reads its element key, new at every
+    call, from its row of the scalar table the host writes before each replay."""
     kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
               cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
               cast_weights_in_update=cast_weights_in_update, stochastic_rounding=stochastic_rounding)

@@ -17,6 +17,7 @@ from interpreter import run_child  # noqa: E402
 from models import CorrectlyRoundedSqrt  # noqa: E402
 from forge_compile.kernels import rule_update as ru  # noqa: E402
 from forge_compile.kernels.epilogue_codegen import compile_epilogue  # noqa: E402
+from forge_compile.kernels.stochastic_round import table_row  # noqa: E402
 from forge_compile.kernels.wgrad_update_triton import rule_scalars, split_states  # noqa: E402
 from forge_compile.optim import rules as R  # noqa: E402
 
@@ -109,6 +110,68 @@ def test_interpreter_refuses_mismatched_inputs(interpret):
     assert torch.equal(p, p0)
 
 
+# ---- a bf16 parameter rounded stochastically (the key the row's word after the scalars) --------------------------
+
+def _check_rounded(rule, shape, device, target, state_dtype=torch.bfloat16, grad_dtype=torch.bfloat16,
+                   ekeys=(0x7FFFFFFF, 16, 123456789)):
+    # bitwise Rule.apply_rounded (the spec: the rule on fp32 values, the parameter rounded with the spec's bits, the
+    # states rounded to nearest) at each key -- a key loaded from the row, not an argument: what a replay needs
+    p, g, states, hp = _make(rule, shape, device)
+    p, g = (p * 0.5).bfloat16(), g.to(grad_dtype)
+    states = [s if rule.is_scalar_state(i) else s.to(state_dtype) for i, s in enumerate(states)]
+    for ekey in ekeys:
+        p0 = p.clone()
+        p_e, st_e = p.clone(), [s.clone() for s in states]
+        tensor_states, scalar_states = split_states(rule, states)
+        values, new = rule_scalars(rule, scalar_states, hp, target)
+        torch.ops.forge.rule_update_(p, g, tensor_states, table_row(values, ekey).to(device), rule.name)
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+        with torch.no_grad(), (CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext()):
+            rule.apply_rounded(p_e, g, st_e, hp, ekey)
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.view(torch.int16), p_e.view(torch.int16)), \
+            f"param differs in {(p.view(torch.int16) != p_e.view(torch.int16)).sum().item()} of {p.numel()} elements"
+        for a, b in zip(states, st_e):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"state differs in {(a != b).sum().item()} elements"
+        assert (p != p0).float().mean() > 0.1
+
+
+ROUNDED_RULES = [R.adamw_rule(), R.sgd_rule(momentum=True), R.lion_rule()]
+
+
+@pytest.mark.parametrize("rule", ROUNDED_RULES, ids=lambda r: r.name)
+def test_rounded_source_reads_the_key_from_the_row(rule):
+    import ast
+
+    ep = compile_epilogue(rule, "cuda")
+    src = ru.render_rule_update_rounded_source(ep)
+    ast.parse(src)
+    assert f"EKEY = tl.load(SCAL + {ep.n_kernel_scalars}).to(tl.int32, bitcast=True)" in src
+    assert "_sround_bits(new_p, off, EKEY)" in src and "def rule_update_rounded_kernel(P, G, " in src
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rule", ROUNDED_RULES, ids=lambda r: r.name)
+def test_interpreter_rounded_same_as_spec(interpret, rule, state_dtype):
+    _check_rounded(rule, (67, 45), "cpu", "interpret", state_dtype)
+    _check_rounded(R.adamw_rule(), (3000,), "cpu", "interpret", state_dtype, torch.float32, ekeys=(5,))
+
+
+def test_interpreter_rounded_refuses_a_row_without_the_key(interpret):
+    rule = R.adamw_rule()
+    p, g, states, hp = _make(rule, (16, 8), "cpu")
+    p, g = p.bfloat16(), g.bfloat16()
+    tensor_states = [s.bfloat16() for s in split_states(rule, states)[0]]
+    p0 = p.clone()
+    with pytest.raises(ValueError, match="round key"):
+        ru.launch_rule_update(p, g, tensor_states, torch.zeros(compile_epilogue(rule, "interpret").n_kernel_scalars),
+                              rule)
+    with pytest.raises(ValueError, match="bf16"):      # an fp16 state is neither
+        ru.launch_rule_update(p, g, [tensor_states[0].half(), tensor_states[1]], torch.zeros(16), rule)
+    assert torch.equal(p, p0)
+
+
 # ---- CUDA -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,3 +179,11 @@ def test_interpreter_refuses_mismatched_inputs(interpret):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
 def test_cuda_same_as_eager_rule(rule, shape):
     _check(rule, shape, "cuda", "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rule", ROUNDED_RULES, ids=lambda r: r.name)
+def test_cuda_rounded_same_as_spec(rule, state_dtype):
+    _check_rounded(rule, (1000, 776), "cuda", "cuda", state_dtype)
+    _check_rounded(rule, (4096,), "cuda", "cuda", state_dtype, torch.float32, ekeys=(1,))

@@ -15,7 +15,8 @@ import torch
 
 from interpreter import run_child
 from models import CorrectlyRoundedSqrt
-from forge_compile.kernels.stochastic_round import element_key, random_bits, round_key, stochastic_round_bf16
+from forge_compile.kernels.stochastic_round import (TABLE_KEY, element_key, random_bits, round_key,
+                                                   stochastic_round_bf16, table_row)
 from forge_compile.kernels.wgrad_update import reference_update, reference_wgrad_update, wgrad_update
 from forge_compile.optim import rules
 from forge_compile.optim.rule import get_rule
@@ -109,15 +110,40 @@ def _hparams(rule):
     return [torch.tensor(vals[h], dtype=torch.float64) for h in rule.hparams]
 
 
-def _check_exact(rule_name, n, k, m, device, state_dtype, config=None, gconfig=None, max_ctas=None, ekey=None):
-    # config: a Triton config (launch_wgrad_update); gconfig: a Gluon config (wgrad_update_gluon.launch)
+def _table_launch(w, dy_t, x, states, hp, rule, grad, ekey, config=None, gconfig=None, max_ctas=None):
+    # the launch a replayed CUDA graph makes: scalars AND the key from one device row (stochastic_round.table_row),
+    # ekey=TABLE_KEY; the scalar states advanced by the caller, as the step's fill_table does
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update, rule_scalars, split_states
+
+    tensor_states, scalar_states = split_states(rule, states)
+    values, new = rule_scalars(rule, scalar_states, hp, "cuda" if w.is_cuda else "interpret")
+    row = table_row(values, ekey, width=len(values) + 3).to(w.device)
+    if gconfig is not None:
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        assert wg.gluon_reason(w, dy_t, x, tensor_states, rule, grad, table=row, ekey=TABLE_KEY) is None
+        wg.launch(w, dy_t, x, tensor_states, [], rule, side_out=grad, config=gconfig, max_ctas=max_ctas, table=row,
+                  ekey=TABLE_KEY)
+    else:
+        launch_wgrad_update(w, dy_t, x, tensor_states, [], rule, side_out=grad, config=config, table=row,
+                            ekey=TABLE_KEY)
+    for s, v in zip(scalar_states, new):
+        s.fill_(v)
+
+
+def _check_exact(rule_name, n, k, m, device, state_dtype, config=None, gconfig=None, max_ctas=None, ekey=None,
+                 table=False):
+    # config: a Triton config (launch_wgrad_update); gconfig: a Gluon config (wgrad_update_gluon.launch); table: the
+    # key and scalars from a table row (_table_launch)
     w, dy_t, x, states, rule = _case(rule_name, n, k, m, device, state_dtype)
     hp = _hparams(rule)
     w0 = w.clone()
     w_e, st_e = w.clone(), [s.clone() for s in states]
     ekey = element_key(round_key(0, 3), 5) if ekey is None else ekey
     grad = torch.full((n, k), float("nan"), device=device)
-    if gconfig is not None:
+    if table:
+        _table_launch(w, dy_t, x, states, hp, rule, grad, ekey, config, gconfig, max_ctas)
+    elif gconfig is not None:
         from forge_compile.kernels import wgrad_update_gluon as wg
 
         assert wg.gluon_reason(w, dy_t, x, states, rule, grad, ekey=ekey) is None
@@ -199,6 +225,47 @@ def test_interpreter_kernel_exact(interpret, config, rule_name, state_dtype):
     _check_exact(rule_name, *shape, "cpu", state_dtype, config=config)
 
 
+# ---- the key in a scalar-table row: launches a CUDA graph can capture (stochastic_round.TABLE_KEY) ---------------
+
+def test_table_row_keeps_every_key_bit():
+    # keys whose bits are NaN, infinity-adjacent or denormal patterns as fp32: the row keeps the int32 pattern
+    for ekey in (0, 1, 12345, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, element_key(round_key(0, 3), 5)):
+        row = table_row([0.5, 3.0, 1e-8], ekey, width=6)
+        assert row.dtype == torch.float32 and row.shape == (6,)
+        assert row[:3].tolist() == [0.5, 3.0, torch.tensor(1e-8).item()]
+        assert row.view(torch.int32)[3].item() == ekey and row[4:].eq(0).all()
+    assert table_row([2.0]).tolist() == [2.0] and table_row([], 7).view(torch.int32).tolist() == [7]
+
+
+def test_interpreter_table_key_refused_without_a_table(interpret):
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
+
+    w, dy_t, x, states, rule = _case(ADAMW, 64, 32, 16, "cpu", torch.bfloat16)
+    w0 = w.clone()
+    with pytest.raises(ValueError):
+        launch_wgrad_update(w, dy_t, x, states, _hparams(rule), rule, ekey=TABLE_KEY)
+    assert torch.equal(w, w0)
+
+
+def test_triton_table_source_reads_the_key_from_the_row():
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    from forge_compile.kernels.wgrad_update_triton import render_kernel_source
+
+    ep = compile_epilogue(get_rule(ADAMW), "cuda")
+    src = render_kernel_source(ep, table=True)
+    assert f"    if TKEY:\n        EKEY = tl.load(SCAL + {ep.n_kernel_scalars}).to(tl.int32, bitcast=True)\n" in src
+    assert "TKEY" not in render_kernel_source(ep).split("def wgrad_update_kernel(")[1].split("):")[1]
+
+
+@pytest.mark.parametrize("config", ["interp", "interp_e2", "interp_pf"])
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM], ids=["adamw", "sgdm"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+def test_interpreter_table_key_exact(interpret, config, rule_name, state_dtype):
+    shape = (67, 45, 31) if config != "interp_e2" else (64, 128, 64)
+    for ekey in (0x7FFFFFFF, 16):
+        _check_exact(rule_name, *shape, "cpu", state_dtype, config=config, ekey=ekey, table=True)
+
+
 # ---- CUDA --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
@@ -259,9 +326,17 @@ def test_gluon_render_rounded(epi):
     assert "gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])" in wg.render_gluon_source(ep, epi, rounded=8)
     with pytest.raises(ValueError):
         wg.render_gluon_source(ep, epi, rounded=2)
-    for bad in (dict(epi="tma"), dict(epi="vec"), dict(epi=epi, table=True), dict(epi=epi, extra=True)):
+    for bad in (dict(epi="tma"), dict(epi="vec"), dict(epi=epi, extra=True)):
         with pytest.raises(wg.GluonUnsupported):
             wg.render_gluon_source(ep, rounded=4, **bad)
+    # with a scalar table the key is no argument: loaded from the row's word after the rule's scalars
+    tabled = wg.render_gluon_source(ep, epi, table=True, rounded=8)
+    ast.parse(tabled)
+    n = ep.n_kernel_scalars
+    assert "do_not_specialize" not in tabled
+    assert re.search(r"def wgrad_update_gluon_kernel\([^)]*\bscal_ptr, M, N, K,", tabled)
+    assert tabled.count(f"EKEY = gl.load(scal_ptr + {n}).to(gl.int32, bitcast=True)") == 1
+    assert tabled.count("_sround_bits(new_p, offs, EKEY)") == 1
 
 
 def test_gluon_bits_spelled_as_the_triton_ones():
@@ -287,7 +362,8 @@ def test_gluon_rounded_selection(fake_sm90):
     assert "bf16 weight" in wg.gluon_reason(w.float(), dy_t, x, st, rule, ekey=ekey)
     assert wg.gluon_reason(w, dy_t, x, st, rule, torch.empty(256, 128, dtype=torch.bfloat16), ekey=ekey)
     assert "fp32 activations" in wg.gluon_reason(w, dy_t.float(), x.float(), st, rule, ekey=ekey)
-    assert "table" in wg.gluon_reason(w, dy_t, x, st[1:], rule, table=torch.zeros(8), ekey=ekey)
+    # a table row (a replayed step's launch): the key is the row's (TABLE_KEY), the same kernels
+    assert wg.gluon_reason(w, dy_t, x, st[1:], rule, table=torch.zeros(8), ekey=TABLE_KEY) is None
     rows = (torch.zeros(96, 128), torch.full((256,), -1, dtype=torch.int32))
     assert "tied" in wg.gluon_reason(w, dy_t, x, st, rule, extra=rows, ekey=ekey)
     # the pick: the smem or split kernel at every M, rule size and side output, no L2 prefetch

@@ -238,12 +238,123 @@ def test_explain_and_refusals():
 
     x = torch.randn(4, 8).to(torch.bfloat16)
     w = [p.detach().clone() for p in model.parameters()]
-    rep = forge.explain(forge.compile_train_step(step, stochastic_rounding=True, cuda_graphs=True), x)
+    from forge_compile import step_graph as sg
+
+    sg.GRAPH_DEVICE[0] = "cpu"      # judged as if for a CPU graph device (the graphed step is CUDA's)
+    try:
+        rep = forge.explain(forge.compile_train_step(step, stochastic_rounding=True, cuda_graphs=True), x)
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
     assert all(torch.equal(a, b) for a, b in zip(w, model.parameters()))    # explain touched nothing
-    assert any("stochastic rounding draws new random bits" in n for n in rep.notes)
+    # rounding no longer keeps a step from being replayed: the two weights and two biases read their keys from the
+    # table
+    assert any("replayed as one CUDA graph; 4 updates" in n for n in rep.notes), rep.notes
+    assert any("4 stochastically rounded updates read their step's random key" in n for n in rep.notes), rep.notes
     assert sum(d.fused for d in rep.rows) == 2
     with pytest.raises(TypeError, match="stochastic_rounding"):
         forge.compile_train_step(step, stochastic_rounding="yes")
+
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    from interpreter import run_child
+
+    run_child(__file__)
+
+
+def _table_steps_follow_the_spec(device, make_step, bias=True, recorder=None):
+    # a bf16 Linear whose updates read their scalars and their step's key from a scalar table (route 1's
+    # cuda_graphs, route 2's scalar_table): the weight's update forge::wgrad_update_table_ on the bf16 weight, the
+    # bias's (route 1) forge::rule_update_ rounded. Small integers as inputs, so dW and the bias gradient are exact
+    # in fp32 whatever the summation order: the spec is bitwise. Five calls (route 1: two eager warm-ups, then the
+    # capture and three replays -- the capture's call replays too), each with its own key: a replay reusing the
+    # captured key would round call 4 like call 3. ``recorder``: a CPU stand-in for the CUDA graph recorder.
+    from contextlib import nullcontext
+
+    from forge_compile import step_graph as sg
+    from models import CorrectlyRoundedSqrt
+
+    torch.manual_seed(0)
+    n, k, m = (24, 40, 16) if device == "cpu" else (512, 384, 256)
+    model = nn.Linear(k, n, bias=bias).to(device, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    if recorder is not None:
+        sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cpu", recorder
+    sg.counters.clear()
+    try:
+        step = make_step(model, opt)
+        params = [(model.weight, 0)] + ([(model.bias, 1)] if bias else [])
+        ref = [(p.detach().clone(), [torch.tensor(0.0)] + [torch.zeros_like(p) for _ in range(2)], salt)
+               for p, salt in params]
+        rule = rules.adamw_rule().name
+        g = torch.Generator().manual_seed(3)
+        for call in range(5):
+            x = torch.randint(-2, 3, (m, k), generator=g).to(device, torch.bfloat16)
+            c = torch.randint(-3, 4, (m, n), generator=g).to(device, torch.float32)
+            step(x, c)
+            grads = [c.t() @ x.float(), c.sum(0)]
+            sqrt = CorrectlyRoundedSqrt() if device == "cpu" else nullcontext()   # the interpreter's epilogue
+            for (p, _), (want, st, salt), grad in zip(params, ref, grads):
+                with torch.no_grad(), sqrt:
+                    reference_update(want, grad, st, _adamw_hparams(opt), rule, element_key(round_key(5, call), salt))
+                state = opt.state[p]
+                for name, got, exp in ((f"param {salt}", p, want), ("exp_avg", state["exp_avg"], st[1]),
+                                       ("exp_avg_sq", state["exp_avg_sq"], st[2])):
+                    assert torch.equal(got.view(torch.int16), exp.view(torch.int16)), \
+                        f"call {call}: {name} differs in {_mismatch(got, exp):.2e} of its elements"
+                assert float(state["step"]) == call + 1
+        counts = dict(sg.counters)
+    finally:
+        sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
+    return step, counts
+
+
+def _graphed_step(model, opt):
+    return forge.compile_train_step(_linear_step(model, opt), stochastic_rounding=5, cuda_graphs=True)
+
+
+def _check_graphed_route1(device, recorder=None):
+    step, counts = _table_steps_follow_the_spec(device, _graphed_step, recorder=recorder)
+    rep = step.last_report
+    assert rep.rows[0].fused, rep
+    assert any("2 stochastically rounded updates read their step's random key" in n for n in rep.notes), rep.notes
+    assert counts.get("replays") == 3 and counts.get("eager") == 2 and counts.get("captures") == 1, counts
+
+
+def test_interpreter_replayed_rounded_step_is_the_spec(interpret):
+    from models import rerun_recorder
+
+    _check_graphed_route1("cpu", rerun_recorder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphed_rounded_step_is_the_spec():
+    # a real CUDA graph: captured once, replayed with the keys written into its table
+    _check_graphed_route1("cuda")
+
+
+def _check_backend_table(device, **options):
+    from forge_compile import backend
+
+    backend.clear_reports()
+    _table_steps_follow_the_spec(device, lambda model, opt: _backend_step(
+        model, opt, lambda y, c: (y * c).sum(), stochastic_rounding=5, **options), bias=False)
+    rep = backend.last_report()
+    assert rep.rows[0].fused, rep
+    assert any(n.startswith("scalar_table: the fused updates read") and "1 stochastically rounded updates read "
+               "their step's random key from their row" in n for n in rep.notes), rep.notes
+
+
+def test_interpreter_backend_rounding_reads_its_key_from_the_table(interpret):
+    # route 2 with scalar_table: the rounded fused update reads its key from the table row written before each
+    # backward (what a CUDA graph of the backward needs), bitwise the spec
+    _check_backend_table("cpu", scalar_table=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_backend_graphed_rounding_is_the_spec():
+    # Inductor's CUDA graphs (triton.cudagraphs: scalar_table on by default) replay the rounding backward
+    _check_backend_table("cuda", **{"triton.cudagraphs": True})
 
 
 def test_fp32_parameters_unaffected():
@@ -435,22 +546,6 @@ def test_backend_stochastic_rounding_option_checks():
     compiled = torch.compile(model, backend="forge", options={"optimizer": opt, "stochastic_rounding": "yes"})
     with pytest.raises(Exception, match="stochastic_rounding takes a bool or an int seed"):
         compiled(torch.randn(2, 4).to(torch.bfloat16))
-
-
-def test_backend_rounding_takes_no_scalar_table():
-    # the key comes from the host at every step: a backward that rounds is not table-driven (no CUDA graph), and
-    # says so; it still rounds (bitwise route 1, as above)
-    from forge_compile import backend
-
-    torch.manual_seed(0)
-    model = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    backend.clear_reports()
-    step = _backend_step(model, opt, F.mse_loss, stochastic_rounding=True, scalar_table=True)
-    step(torch.randn(12, 16).to(torch.bfloat16), torch.randn(12, 8))
-    rep = backend.last_report()
-    assert rep.rows[0].fused
-    assert any(n.startswith("scalar_table: not used: stochastically rounded") for n in rep.notes), rep
 
 
 def test_backend_sparse_gradient_is_said_not_rounded(caplog):

@@ -79,8 +79,10 @@ def test_triton_table_source_differs_only_in_how_scalars_arrive(rule):
     sig = f"W, DYT, X, {''.join(s.upper() + ', ' for s in ep.tensor_inputs[2:])}GOUT, EROWS, EPOS, EKEY,\n    "
     assert plain.count(sig + params + "N, K, M,") == 1
     loads = "".join(f"    c{i} = tl.load(SCAL + {i})\n" for i in range(n))
+    # and a bf16 weight's round key, the row's word after the scalars, where the launch says so (TKEY: TABLE_KEY)
+    key = f"    if TKEY:\n        EKEY = tl.load(SCAL + {n}).to(tl.int32, bitcast=True)\n"
     expect = plain.replace(sig + params + "N, K, M,", sig + "SCAL, N, K, M,").replace(
-        "):\n    # Grouped order", "):\n" + loads + "    # Grouped order")
+        "):\n    # Grouped order", "):\n" + loads + key + "    # Grouped order")
     assert table == expect
     ast.parse(table)
 

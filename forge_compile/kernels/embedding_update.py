@@ -33,7 +33,7 @@ from .. import _compat
 from ..optim.rule import Rule, get_rule
 from .epilogue_codegen import TRITON_RULE_HEAD, triton_fields
 from .rule_update import elementwise_kernel, render_elementwise_source
-from .stochastic_round import TRITON_SROUND, element_key
+from .stochastic_round import TABLE_KEY, TRITON_SROUND, element_key, table_row
 from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def compact_rows_by_id(grad_output, indices):
 _TEMPLATE = TRITON_RULE_HEAD + '''
 {rounding_helpers}
 {jit}
-def {module}_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,{ekey_param}
+def {module}_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
                             BR: tl.constexpr, BK: tl.constexpr):
 {scalar_loads}    rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -123,8 +123,8 @@ def {module}_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,{ekey_para
 '''
 
 # A bf16 W rounded stochastically (states bf16 or fp32): values in fp32, W stored through the spec's bits, states
-# rounded to nearest (_cast_to: torch's cast); the key an argument never specialized (a key of 1 would become a
-# constexpr)
+# rounded to nearest (_cast_to: torch's cast); the element key is the scalar row's word after the rule's scalars
+# (stochastic_round.table_row) -- host launches and a CUDA graph's replays alike, one kernel
 _ROUNDING_HELPERS = TRITON_SROUND + '''
 
 @triton.jit
@@ -142,11 +142,11 @@ BR, BK = 4, 256
 
 def render_embedding_update_source(ep, template: str = _TEMPLATE, module: str = "embedding_update",
                                    rounded: bool = False) -> str:
-    """The kernel module; ``rounded``: for a bf16 weight rounded stochastically (``{module}_kernel`` takes EKEY)."""
+    """The kernel module; ``rounded``: for a bf16 weight rounded stochastically (its key read from the row)."""
     from .wgrad_update_triton import _CAST_BODY
 
     if not rounded:     # fp32 W and states: the shared element-wise rendering, W stored as the rule left it
-        plain = {"{rounding_helpers}": "", "{jit}": "@triton.jit", "{ekey_param}": "", "{to_f32}": "",
+        plain = {"{rounding_helpers}": "", "{jit}": "@triton.jit", "{to_f32}": "",
                  "{w_store}": "{new_p}"}
         for field, text in plain.items():
             template = template.replace(field, text)
@@ -155,9 +155,9 @@ def render_embedding_update_source(ep, template: str = _TEMPLATE, module: str = 
     ptrs = [s.upper() for s in states]
     new_vars = [f"new_{v}" for v in ("p", *states)]
     return template.format(
-        **triton_fields(ep, True, "SCAL"), module=module,
+        **triton_fields(ep, True, "SCAL", key=True), module=module,
         rounding_helpers=_ROUNDING_HELPERS.format(cast_body=_CAST_BODY[ep.target]),
-        jit='@triton.jit(do_not_specialize=["EKEY"])', ekey_param=" EKEY,", to_f32=".to(tl.float32)",
+        jit="@triton.jit", to_f32=".to(tl.float32)",
         w_store=f"_cast_to(_sround_bits({new_vars[0]}, off, EKEY), tl.bfloat16)",
         state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
                               for s, p in zip(states, ptrs)),
@@ -204,32 +204,34 @@ def _check(weight, grad_output, indices, tensor_states, rounded: bool = False):
 def launch_embedding_update(weight, grad_output, indices, tensor_states, table, rule: Rule,
                             padding_idx: int = -1, ekey=None) -> None:
     """Triton kernel (CUDA, or CPU tensors under the interpreter): the rule's scalars from ``table`` (an fp32 row on
-    the weight's device, ``wgrad_update_triton.rule_scalars``); scalar states are the caller's. ``ekey``: a bf16
-    weight rounded stochastically with this key (``element_key``)."""
+    the weight's device, ``wgrad_update_triton.rule_scalars``); scalar states are the caller's. ``ekey`` given
+    (``stochastic_round.TABLE_KEY``): a bf16 weight rounded stochastically with the key in the row's word after the
+    scalars (``stochastic_round.table_row``)."""
     from .wgrad_update_triton import _interpreting, check_table
 
     interpret = not weight.is_cuda
     if interpret and not _interpreting():
         raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+    if ekey is not None and ekey is not TABLE_KEY:
+        raise ValueError("forge: embedding_update: the rounded kernel reads its key from the row (ekey=TABLE_KEY)")
     ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda", ekey is not None)
-    check_table(ep, table, weight)
+    check_table(ep, table, weight, ekey is not None)
     n, k = weight.shape
     rows, pos = compact_rows(grad_output, indices, n, padding_idx)
     grid = (-(-n // BR), -(-k // BK))
-    key = () if ekey is None else (int(ekey),)
     # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
-    kernel[grid](weight, rows.contiguous(), pos, *tensor_states, table, n, k, *key, BR=BR, BK=BK, num_warps=4,
+    kernel[grid](weight, rows.contiguous(), pos, *tensor_states, table, n, k, BR=BR, BK=BK, num_warps=4,
                  enable_fp_fusion=False)
 
 
-def _host_table(rule: Rule, states, hparams, device):
-    """The scalar row a launch with host values reads (bitwise the fused linear kernels' host scalars), and the
-    scalar states' values after it."""
+def _host_table(rule: Rule, states, hparams, device, ekey=None):
+    """The scalar row a launch with host values reads (bitwise the fused linear kernels' host scalars; ``ekey``: a
+    rounded weight's element key after them), and the scalar states' values after it."""
     from .wgrad_update_triton import rule_scalars, split_states
 
     tensor_states, scalar_states = split_states(rule, states)
     values, new = rule_scalars(rule, scalar_states, hparams, "cuda" if device.type == "cuda" else "interpret")
-    host = torch.tensor(values, dtype=torch.float32)
+    host = table_row(values, ekey)
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     return tensor_states, scalar_states, new, table
 
@@ -258,8 +260,9 @@ def embedding_update(weight, grad_output, indices, states, hparams, rule: str, p
     _check(weight, grad_output, indices, [s for i, s in enumerate(states) if not r.is_scalar_state(i)],
            ekey is not None)
     if weight.is_cuda or triton_on_cpu():
-        tensor_states, scalar_states, new, table = _host_table(r, list(states), list(hparams), weight.device)
-        launch_embedding_update(weight, grad_output, indices, tensor_states, table, r, padding_idx, ekey)
+        tensor_states, scalar_states, new, table = _host_table(r, list(states), list(hparams), weight.device, ekey)
+        launch_embedding_update(weight, grad_output, indices, tensor_states, table, r, padding_idx,
+                                None if ekey is None else TABLE_KEY)
         with torch.no_grad():
             for s, v in zip(scalar_states, new):
                 s.fill_(v)
@@ -271,8 +274,11 @@ def embedding_update_table(weight, grad_output, indices, states, scalars, rule: 
     if not weight.is_cuda and not triton_on_cpu():
         raise RuntimeError("forge::embedding_update_table_ runs on CUDA tensors (on CPU only under Triton's "
                            "interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
-    _check(weight, grad_output, indices, states)
-    launch_embedding_update(weight, grad_output, indices, list(states), scalars, get_rule(rule), padding_idx)
+    # a bf16 weight: the rounded update, its key the row's word after the scalars (a new key per replay)
+    rounded = weight.dtype == torch.bfloat16
+    _check(weight, grad_output, indices, states, rounded)
+    launch_embedding_update(weight, grad_output, indices, list(states), scalars, get_rule(rule), padding_idx,
+                            TABLE_KEY if rounded else None)
 
 
 # ----------------------------------------------------------------------------------------------------

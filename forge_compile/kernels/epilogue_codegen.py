@@ -509,7 +509,7 @@ def _rule(p, g, {state_vars}{scalar_params}BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 '''
 
 
-def triton_fields(ep: Epilogue, table: bool, ptr: str) -> dict:
+def triton_fields(ep: Epilogue, table: bool, ptr: str, key: bool = False) -> dict:
     """Template fields every Triton kernel module built around the rule's ``_rule`` function shares: its text,
     the state variable/pointer lists (pointers: the state names upper-cased), the scalars (``scalar_fields``)."""
     states = ep.tensor_inputs[2:]
@@ -521,7 +521,7 @@ def triton_fields(ep: Epilogue, table: bool, ptr: str) -> dict:
         state_vars="".join(f"{s}, " for s in states),
         state_ptrs="".join(f"{s.upper()}, " for s in states),
         scalar_params="".join(f"c{i}, " for i in range(ep.n_kernel_scalars)),
-        **scalar_fields(ep, table, ptr, "tl.load"),
+        **scalar_fields(ep, table, ptr, "tl.load", key),
         body=ep.body,
         outputs=", ".join(ep.outputs),
         new_vars=", ".join(new_vars),
@@ -529,19 +529,33 @@ def triton_fields(ep: Epilogue, table: bool, ptr: str) -> dict:
     )
 
 
-def scalar_fields(ep: Epilogue, table: bool, ptr: str, load: str) -> dict:
+def scalar_fields(ep: Epilogue, table: bool, ptr: str, load: str, key: bool = False) -> dict:
     """Template fields for how a kernel receives the rule's scalars ``c0..c{n-1}``.
 
     Default: one fp32 argument each, host floats at every launch. ``table``: one pointer argument ``ptr`` to the n
     fp32 values in device memory (a row of a scalar table), loaded once at the kernel's start with ``load`` (the
     language's load). Such a launch can be captured in a CUDA graph: the values change between replays, the
     argument does not. The default fields leave the kernel source as it was without the option.
+
+    ``key`` (with ``table``): the row also holds a stochastically rounded weight's element key after the n
+    scalars (stochastic_round.table_row: its 32 bits as one fp32 word), loaded into ``EKEY`` -- so the key, new at
+    every step, is not a launch argument either.
     """
     n = ep.n_kernel_scalars
     if not table:
+        if key:
+            raise ValueError("scalar_fields: the round key is read from a scalar table only")
         return dict(kernel_scalar_params="".join(f"c{i}, " for i in range(n)), scalar_loads="")
+    lang = load.split(".")[0]
     return dict(kernel_scalar_params=f"{ptr}, ",
-                scalar_loads="".join(f"    c{i} = {load}({ptr} + {i})\n" for i in range(n)))
+                scalar_loads="".join(f"    c{i} = {load}({ptr} + {i})\n" for i in range(n))
+                + (key_load(ptr, n, lang) if key else ""))
+
+
+def key_load(ptr: str, col: int, lang: str = "tl", indent: str = "    ") -> str:
+    """The kernel line that reads a rounded update's element key from word ``col`` of its scalar row ``ptr``
+    (an fp32 word holding the key's int32 bit pattern: stochastic_round.table_row)."""
+    return f"{indent}EKEY = {lang}.load({ptr} + {col}).to({lang}.int32, bitcast=True)\n"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,6 +8,12 @@ bitwise what eager ``rule.fn`` computes on CUDA) on the parameter, its gradient 
 element, with the scalars loaded from the row. So a graphed step updates those parameters as eager torch.optim
 would, and the host writes one table per step instead of launching anything.
 
+A bf16 parameter under stochastic rounding (compile_train_step(stochastic_rounding=...) with cuda_graphs) takes the
+rounded template: parameter, gradient and tensor states (bf16 or fp32) read into fp32, the same epilogue, the
+parameter stored rounded stochastically with the bits of its element offsets and the element key in the row's
+word after the scalars (kernels/stochastic_round.py, ``table_row``), the states rounded to nearest -- the spec is
+``Rule.apply_rounded``.
+
 Read top to bottom: the kernel template, the launcher, the op registration. The CPU impl runs the same kernel in
 Triton's interpreter (tests: FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1); there is no other CPU path because a
 graphed step is CUDA-only.
@@ -21,6 +27,7 @@ import torch
 
 from ..optim.rule import Rule, get_rule
 from .epilogue_codegen import compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .stochastic_round import TRITON_SROUND
 from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
@@ -39,6 +46,28 @@ def rule_update_kernel(P, G, {state_ptrs}{kernel_scalar_params}NUMEL, BLOCK: tl.
 {state_loads}
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}1, BLOCK)
     tl.store(P + off, {new_p}, mask=mask)
+{state_stores}
+'''
+
+# A bf16 parameter rounded stochastically: values in fp32 from the loads, the parameter stored through the spec's
+# bits, states rounded to nearest (_cast_to: torch's cast); EKEY from the row (scalar_fields(key=True))
+_ROUNDED_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + '''
+
+@triton.jit
+def _cast_to(x, dtype: tl.constexpr):
+    # torch's cast: round to nearest, ties to even
+{cast_body}
+
+
+@triton.jit
+def rule_update_rounded_kernel(P, G, {state_ptrs}{kernel_scalar_params}NUMEL, BLOCK: tl.constexpr):
+{scalar_loads}    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = off < NUMEL
+    p = tl.load(P + off, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + off, mask=mask, other=0.0).to(tl.float32)
+{state_loads}
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params}1, BLOCK)
+    tl.store(P + off, _cast_to(_sround_bits({new_p}, off, EKEY), tl.bfloat16), mask=mask)
 {state_stores}
 '''
 
@@ -80,7 +109,25 @@ def elementwise_kernel(rule: Rule, target: str, template: str, module: str, rend
     return hit
 
 
-def _kernel_for(rule: Rule, target: str):
+def render_rule_update_rounded_source(ep, template: str = _ROUNDED_TEMPLATE, module: str = "rule_update_rounded"):
+    from .wgrad_update_triton import _CAST_BODY
+
+    states = ep.tensor_inputs[2:]
+    ptrs = [s.upper() for s in states]
+    new_vars = [f"new_{v}" for v in ("p", *states)]
+    return template.format(
+        **triton_fields(ep, True, "SCAL", key=True), module=module, cast_body=_CAST_BODY[ep.target],
+        state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
+                              for s, p in zip(states, ptrs)),
+        state_stores="\n".join(f"    tl.store({p} + off, _cast_to({v}, {p}.dtype.element_ty), mask=mask)"
+                               for p, v in zip(ptrs, new_vars[1:])),
+    )
+
+
+def _kernel_for(rule: Rule, target: str, rounded: bool = False):
+    if rounded:
+        return elementwise_kernel(rule, target, _ROUNDED_TEMPLATE, "rule_update_rounded",
+                                  render_rule_update_rounded_source)
     return elementwise_kernel(rule, target, _TEMPLATE, "rule_update")
 
 
@@ -92,21 +139,26 @@ def launch_rule_update(param, grad, tensor_states, table, rule: Rule, *, block: 
     """param, grad and the tensor states: fp32, contiguous, one shape (any); ``table`` the rule's kernel scalars
     (``wgrad_update_triton.rule_scalars``) as an fp32 row on the parameter's device. Updates param and states in
     place; scalar states are the caller's (they are not inputs). ``block`` (default BLOCK) and ``num_warps``:
-    elements per program and its warps (benchmarks/bench_rule_update.py compares them)."""
+    elements per program and its warps (benchmarks/bench_rule_update.py compares them). A bf16 ``param``: the
+    rounded update (module docstring), its gradient and tensor states bf16 or fp32, the row holding the element
+    key after the scalars (stochastic_round.table_row)."""
     from .wgrad_update_triton import _interpreting, check_table
 
     interpret = not param.is_cuda
     if interpret and not _interpreting():
         raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
-    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
+    rounded = param.dtype == torch.bfloat16
+    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda", rounded)
     if len(tensor_states) != len(ep.tensor_inputs) - 2:
         raise ValueError(f"forge: rule {rule.name!r} takes {len(ep.tensor_inputs) - 2} tensor states, got "
                          f"{len(tensor_states)}")
+    ok = (torch.float32, torch.bfloat16) if rounded else (torch.float32,)
     for name, t in (("parameter", param), ("gradient", grad), *(("state", s) for s in tensor_states)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != param.shape or t.device != param.device:
-            raise ValueError(f"forge: rule_update: the {name} must be a contiguous fp32 tensor shaped like the "
-                             f"parameter on its device, got {t.dtype} {list(t.shape)} on {t.device}")
-    check_table(ep, table, param)
+        if t.dtype not in ok or not t.is_contiguous() or t.shape != param.shape or t.device != param.device:
+            raise ValueError(f"forge: rule_update: the {name} must be a contiguous fp32 tensor (or bf16, with a "
+                             f"bf16 parameter) shaped like the parameter on its device, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+    check_table(ep, table, param, rounded)
     numel = param.numel()
     if numel == 0:
         return

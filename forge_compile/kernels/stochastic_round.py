@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["hash32", "round_key", "element_key", "element_key_t", "random_bits", "stochastic_round_bf16",
-           "stochastic_round_bf16_at", "TRITON_SROUND", "GLUON_SROUND"]
+           "stochastic_round_bf16_at", "table_row", "TABLE_KEY", "TRITON_SROUND", "GLUON_SROUND"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -49,6 +49,31 @@ def element_key(key: int, salt: int) -> int:
     """The kernel's scalar for one parameter: the step key mixed with the parameter's salt (its index in the
     step), 31 bits so that it reaches a Triton kernel as an int32 argument."""
     return hash32((key & _M32) ^ hash32(salt & _M32)) & 0x7FFFFFFF
+
+
+class _TableKey:
+    """``TABLE_KEY``: passed as a launch's ``ekey`` where the key is in the launch's scalar-table row."""
+
+    def __repr__(self):
+        return "TABLE_KEY"
+
+
+# The ekey of a launch whose kernel reads the element key from its scalar row (table_row), not from an argument:
+# what a launch captured in a CUDA graph needs, since the key changes at every step.
+TABLE_KEY = _TableKey()
+
+
+def table_row(values, ekey=None, width: int = 0) -> torch.Tensor:
+    """A scalar-table row (fp32, CPU): the rule's kernel scalars ``values``, then -- ``ekey`` given, a rounded
+    update -- the element key's 32 bits as one fp32 word (its int32 bit pattern: the kernels load the word and
+    bitcast it, ``epilogue_codegen.key_load``), zeros up to ``width``. Written through an int32 view, never as a
+    Python float: most keys are NaN or denormal patterns as floats, which a float round trip would not keep."""
+    n = len(values) + (ekey is not None)
+    row = torch.zeros(max(n, width), dtype=torch.float32)
+    row[:len(values)] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if ekey is not None:
+        row.view(torch.int32)[len(values)] = int(ekey)
+    return row
 
 
 def element_key_t(key: torch.Tensor, salt: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 
 from .. import _compat
 from ..optim.rule import get_rule
-from .stochastic_round import element_key
+from .stochastic_round import TABLE_KEY, element_key
 from .wgrad_update_cpu import cpu_block_shape, wgrad_update_cpu
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,9 @@ def _(weight, dy_t, x, states, hparams, rule, round_key, round_salt, emb_grad_ou
 # The same update with the rule's scalars read from a device table row (``forge::wgrad_update_table_``): states are
 # the rule's tensor states only, no hyper-parameters, no scalar state -- nothing the host changes between steps,
 # so a CUDA graph may capture it (compile_train_step(cuda_graphs=True) writes the table before each replay).
-# ``scalars``: ``wgrad_update_triton.rule_scalars``'s values as fp32 on the weight's device.
+# ``scalars``: ``wgrad_update_triton.rule_scalars``'s values as fp32 on the weight's device. A bf16 weight is the
+# rounded update (as forge::wgrad_update_rounded_'s) whose element key is the row's word after the scalars
+# (stochastic_round.table_row): a new key per replay, written with the table.
 _LIB.define("wgrad_update_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] states, Tensor scalars, "
             f"str rule, Tensor(c!)? cast_out=None, {_EMB_ARGS}) -> ()")
 
@@ -229,7 +231,7 @@ def wgrad_update_table(weight, dy_t, x, states, scalars, rule: str, cast_out=Non
     from .wgrad_update_triton import launch_wgrad_update
 
     launch_wgrad_update(weight, dy_t, x, list(states), [], get_rule(rule), side_out=cast_out, table=scalars,
-                        extra=_extra_rows(weight, emb))
+                        extra=_extra_rows(weight, emb), ekey=TABLE_KEY if weight.dtype == torch.bfloat16 else None)
 
 
 def wgrad_update_table_(weight, dy_t, x, states, scalars, rule, cast_out=None, emb_grad_output=None,

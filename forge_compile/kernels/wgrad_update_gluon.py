@@ -68,8 +68,8 @@ from collections import Counter
 import torch
 
 from ..optim.rule import Rule
-from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module, scalar_fields
-from .stochastic_round import GLUON_SROUND
+from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, key_load, load_kernel_module, scalar_fields
+from .stochastic_round import GLUON_SROUND, TABLE_KEY
 from .wgrad_update_triton import SIDE_CAST, SIDE_GRAD, check_side_out, fp32_dot_precision, side_mode, split_states
 
 log = logging.getLogger(__name__)
@@ -1322,15 +1322,15 @@ def render_gluon_source(ep: Epilogue, epi: str = "tma", table: bool = False, ext
         raise GluonUnsupported(f"tied embedding rows in the {epi!r} epilogue")
     if rounded not in (0, 4, 8):
         raise ValueError(f"rounded={rounded!r}: 0 (off), or 4 or 8 elements per thread")
-    if rounded and (epi not in ("smem", "split") or table or extra):
-        raise GluonUnsupported(f"stochastic rounding in the {epi!r} epilogue{' with a scalar table' if table else ''}"
+    if rounded and (epi not in ("smem", "split") or extra):
+        raise GluonUnsupported(f"stochastic rounding in the {epi!r} epilogue"
                                f"{' with tied embedding rows' if extra else ''}")
     if epi == "gemm":
         return (_HEAD + _GEMM_KERNEL).format(**_common_fields(ep, table))
     if epi in ("smem", "split"):
         src = (_HEAD + _SMEM_EPI + (_SMEM_KERNEL if epi == "smem" else _SPLIT_KERNEL)).format(
             **render_fields(ep, table, extra, rounded))
-        if rounded:
+        if rounded and not table:
             # the key is new at every step: a value of 1 (or one divisible by 16) must not make another kernel
             src = src.replace("@gluon.jit\ndef wgrad_update_gluon_kernel(",
                               "@gluon.jit(do_not_specialize=[\"EKEY\"])\ndef wgrad_update_gluon_kernel(")
@@ -1402,7 +1402,8 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounde
     ``rounded``: stochastic rounding (stochastic_round.py) with 4 or 8 bf16 elements per thread (SR_ROW_VEC); 0 off.
     W is bf16, the tensor states bf16 or fp32; both are
     loaded into fp32 (the rule runs on fp32 as for fp32 tensors), the new W is stored as _sround_bits of its
-    element offset and the key EKEY (an int32 argument after the rule's scalars, threaded with them, so the rule
+    element offset and the key EKEY (an int32 argument after the rule's scalars -- with ``table`` loaded from the
+    row's word after them --, threaded with them, so the rule
     takes it too and ignores it), bf16 states rounded to nearest even as Tensor.to. Off, the fields leave the
     module's text as it was."""
     states = ep.tensor_inputs[2:]
@@ -1413,7 +1414,10 @@ def render_fields(ep: Epilogue, table: bool = False, extra: bool = False, rounde
     st_cvt = dict.fromkeys(states, "")
     if rounded:
         common["scalar_params"] += "EKEY, "
-        common["kernel_scalar_params"] += "EKEY, "
+        if table:    # the key from the row, after the rule's scalars (a graph-capturable launch: no key argument)
+            common["scalar_loads"] += key_load("scal_ptr", ep.n_kernel_scalars, "gl")
+        else:
+            common["kernel_scalar_params"] += "EKEY, "
         # converted where the math starts, not at the load: the lookahead (AHEAD chunks of every array, live across
         # the tile's hand-off) then holds bf16 pairs, half the registers (converted at the load, the split kernel's
         # AdamW spilled 224 B in its sm_90 compile)
@@ -1972,10 +1976,11 @@ def gluon_reason(weight, dy_t, x, states, rule: Rule, side_out=None, table=None,
     ``extra``: a tied embedding's (rows, pos) (wgrad_update_triton.launch_wgrad_update): only with
     FORGE_GLUON_EXTRA=1 -- the smem/split variant that adds them compiles for sm_90 but has not run on a GPU yet.
     ``ekey``: a bf16 weight stored stochastically rounded (wgrad_update_triton.check_low_precision): the smem or
-    split kernel, bf16 activations, no table, no tied rows, dW (fp32) the only side output."""
+    split kernel, bf16 activations, no tied rows, dW (fp32) the only side output; with a table the key is the
+    row's (ekey=TABLE_KEY)."""
     rounded = ekey is not None
-    if rounded and (table is not None or extra is not None):
-        return "stochastic rounding with a scalar table or tied embedding rows: the Triton kernel"
+    if rounded and extra is not None:
+        return "stochastic rounding with tied embedding rows: the Triton kernel"
     if extra is not None and os.environ.get(EXTRA_ENV) != "1":
         return f"tied embedding rows: the Triton kernel ({EXTRA_ENV}=1 tries the Gluon variant, not yet GPU-tested)"
     mode = _mode()
@@ -2169,11 +2174,14 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
     tensor_states, scalar_states = split_states(rule, states, table)
     rounded = ekey is not None
     check_low_precision(weight, tensor_states, side_out, ekey)
-    if rounded and (tabled or extra is not None or x.dtype == torch.float32):
-        raise ValueError("forge: the Gluon kernel rounds stochastically without a scalar table, tied embedding "
-                         "rows or fp32 activations (gluon_reason)")
+    if rounded and (extra is not None or x.dtype == torch.float32):
+        raise ValueError("forge: the Gluon kernel rounds stochastically without tied embedding rows or fp32 "
+                         "activations (gluon_reason)")
+    if rounded and tabled != (ekey is TABLE_KEY):
+        raise ValueError("forge: a rounded launch with a scalar table reads its key from the row (ekey=TABLE_KEY), "
+                         "one without a table takes it as an argument")
     if tabled:
-        check_table(ep, table, weight)
+        check_table(ep, table, weight, rounded)
         scalars, new_scalar_states = [table], []
     else:
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
@@ -2233,7 +2241,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out=None, *, con
         tiles = -(-n // cfg.bn) * -(-k // cfg.bk)
         grid = (max(1, min(max_ctas or _num_sms(weight.device), tiles)),)
         args = (dy_desc, x_desc, weight, *tensor_states, *rows_args, side_out if side_out is not None else weight,
-                *scalars, *((int(ekey),) if rounded else ()), m, n, k)
+                *scalars, *((int(ekey),) if rounded and not tabled else ()), m, n, k)
         # int64 element offsets when the rows the chunks address (up to the last tile's end) pass 2^31 elements
         big = -(-n // cfg.bn) * cfg.bn * k >= 2 ** 31
         ld_ev, st_ev, st_cm = _EVICT[cfg.evict]

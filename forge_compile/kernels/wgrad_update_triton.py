@@ -33,8 +33,8 @@ import threading
 import torch
 
 from ..optim.rule import Rule
-from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
-from .stochastic_round import TRITON_SROUND
+from .epilogue_codegen import Epilogue, compile_epilogue, key_load, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .stochastic_round import TABLE_KEY, TRITON_SROUND
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,9 @@ def wgrad_update_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     STORE_GRAD: tl.constexpr, EPI_SPLIT: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
-    EXTRA: tl.constexpr = False,
+    EXTRA: tl.constexpr = False, TKEY: tl.constexpr = False,
 ):
-{scalar_loads}    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
+{scalar_loads}{key_load}    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
     # programs reuse dy_t and x panels from L2.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -301,6 +301,8 @@ def render_kernel_source(ep: Epilogue, table: bool = False) -> str:
     new_vars = [f"new_{v}" for v in ("p", *states)]
     return _TEMPLATE.format(
         **triton_fields(ep, table, "SCAL"), module="wgrad_update_triton",
+        # TKEY (a rounded weight's launch with a table, ekey=TABLE_KEY): the key from the row, after the scalars
+        key_load=("    if TKEY:\n" + key_load("SCAL", ep.n_kernel_scalars, "tl", " " * 8)) if table else "",
         state_stores="\n".join(f"    _st_as({p} + off, {v}, mask, EVEN)" for p, v in zip(ptrs, new_vars[1:])),
         state_loads="\n".join(f"    {s} = _ld({p} + off, mask, EVEN).to(tl.float32)" for s, p in zip(states, ptrs)),
         prefetch_loads="\n".join(f"            pf_{s} = _ld({p} + poff, pmask, EVEN_NK).to(tl.float32)" for s, p in zip(states, ptrs)),
@@ -548,15 +550,18 @@ def split_states(rule: Rule, states, table=None):
             [s for i, s in enumerate(states) if rule.is_scalar_state(i)])
 
 
-def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor) -> None:
+def check_table(ep: Epilogue, table: torch.Tensor, weight: torch.Tensor, key: bool = False) -> None:
     """A scalar-table row must hold the rule's kernel scalars as fp32 on the weight's device (first in the row: a
-    table shared by several rules is as wide as the widest)."""
+    table shared by several rules is as wide as the widest); ``key``: and a rounded weight's element key after
+    them (stochastic_round.table_row)."""
+    n = ep.n_kernel_scalars + bool(key)
     if (not isinstance(table, torch.Tensor) or table.dtype != torch.float32 or table.dim() != 1
-            or table.numel() < ep.n_kernel_scalars or table.stride(0) != 1 or table.device != weight.device):
+            or table.numel() < n or table.stride(0) != 1 or table.device != weight.device):
         got = (f"{table.dtype} {list(table.shape)} on {table.device}" if isinstance(table, torch.Tensor)
                else type(table).__name__)
-        raise ValueError(f"forge: rule {ep.rule_name!r} reads {ep.n_kernel_scalars} fp32 scalars from a contiguous "
-                         f"1-D tensor on {weight.device} (rule_scalars()), got {got}")
+        raise ValueError(f"forge: rule {ep.rule_name!r} reads {ep.n_kernel_scalars} fp32 scalars"
+                         f"{' and the round key' if key else ''} from a contiguous 1-D tensor on {weight.device} "
+                         f"(rule_scalars(), stochastic_round.table_row), got {got}")
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, table=None, extra=None, ekey=None):
@@ -577,8 +582,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, side_out, config, tab
     if table is None:
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
     else:
-        check_table(ep, table, weight)
+        check_table(ep, table, weight, ekey is TABLE_KEY)
         scalars, new_scalar_states = [table], []
+    if ekey is TABLE_KEY and table is None:
+        raise ValueError("forge: ekey=TABLE_KEY reads the round key from a scalar table row: pass table=")
 
     if m == 0:
         # the GEMM is empty: dW = 0, the rule still runs (weight decay, moment decay)
@@ -637,13 +644,14 @@ def launch_spec(cfg: Config, weight, dy_t, x, tensor_states, side_out, scalars, 
         block = [cfg.bn, cfg.bk // (1 if cfg.prefetch else cfg.split)]
         epi = [TensorDescriptor(t, [n, k], [k, 1], block) for t in epi]
     erows, epos = extra if extra is not None else (weight, weight)
-    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1], erows, epos, 0 if ekey is None else ekey,
+    tkey = ekey is TABLE_KEY
+    args = (epi[0], dy_t, x, *epi[1:-1], epi[-1], erows, epos, 0 if ekey is None or tkey else ekey,
             *scalars, n, k, m, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1))
     opts = dict(
         BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group,
         EVEN_M=(m % cfg.bm == 0), EVEN_NK=(n % cfg.bn == 0 and k % cfg.bk == 0), UPCAST=upcast,
         DOT_PREC=cfg.fp32_dot if tf32 else "ieee", STORE_GRAD=mode, EPI_SPLIT=cfg.split, PREFETCH=cfg.prefetch, TMA=tma,
-        PIPE=0 if tma else cfg.pipe, EXTRA=extra is not None,
+        PIPE=0 if tma else cfg.pipe, EXTRA=extra is not None, TKEY=tkey,
         num_warps=cfg.warps, num_stages=cfg.stages,
         # no FMA contraction: the epilogue spells out the FMAs that eager torch's kernels contain
         enable_fp_fusion=False,
@@ -690,10 +698,11 @@ def launch_wgrad_update(weight, dy_t, x, states, hparams, rule: Rule, side_out=N
     and pos are new tensors at every step).
 
     ``ekey``: a bf16 weight, updated in fp32 and stored stochastically rounded with this key
-    (stochastic_round.element_key; bf16 or fp32 states). On sm_90 such a launch takes the Gluon smem/split kernel
-    where gluon_reason allows it (bf16 activations, no table, no tied rows; with SR_MEMO remembered by launch_memo,
-    the key passed at every launch), else this kernel's pointer epilogue with its table config, not memoized; never
-    tuned."""
+    (stochastic_round.element_key; bf16 or fp32 states) -- or, with a ``table``, ``stochastic_round.TABLE_KEY``:
+    the key is the row's word after the scalars (stochastic_round.table_row), so a CUDA graph can capture the
+    launch. On sm_90 such a launch takes the Gluon smem/split kernel where gluon_reason allows it (bf16
+    activations, no tied rows; without a table and with SR_MEMO remembered by launch_memo, the key passed at every
+    launch), else this kernel's pointer epilogue with its table config, not memoized; never tuned."""
     if table is not None and len(hparams):
         raise ValueError("forge: a launch with a scalar table takes no hyper-parameters (they are in the table)")
     memo_key = None

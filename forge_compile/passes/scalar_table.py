@@ -12,6 +12,12 @@ normal launch) from a row of one fp32 table on the device, which the step's runt
 - ``forge::apply_rule_(p, g, states, hparams, rule)`` (left unfused) -> ``forge::rule_update_(p, g,
   tensor_states, table[row], rule)``: the rule's generated epilogue on the materialized gradient, bitwise eager
   ``rule.fn`` (kernels/rule_update.py) -- not the decomposed rule Inductor would compile.
+The stochastically rounded updates of bf16 parameters (``forge::wgrad_update_rounded_``,
+``forge::embedding_update_rounded_``, ``forge::apply_rule_`` with a round key) become the same table ops on their
+bf16 parameter, which round with the element key their row holds after the rule's scalars
+(stochastic_round.table_row): the key changes at every step as the scalars do, and reaches the kernels the same
+way, so a replay rounds with new bits. The row's salt (the parameter's index in the step) is returned with the
+table's plans; the runtime writes ``element_key(round_key(seed, call), salt)`` there.
 Row ``i`` belongs to optimizer plan ``i`` (the capture's plan order); the scalar states are then advanced by the
 runtime (``fill_table``, before each call), not the graph. ``graph_replay_blocker`` says why a graph cannot be replayed (nothing is rewritten then).
 """
@@ -28,8 +34,10 @@ import torch.fx as fx
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
 from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
+from ..kernels.stochastic_round import table_row
 from ..kernels.wgrad_update_triton import rule_scalars, split_states
 from .remat_for_backward import view_root, written_args
+from .wgrad_update_pattern import round_args
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -41,6 +49,8 @@ counters: Counter = Counter()
 _APPLY = torch.ops.forge.apply_rule_.default
 _FUSED = torch.ops.forge.wgrad_update_.default
 _EMBEDDING = torch.ops.forge.embedding_update_.default
+_FUSED_R = torch.ops.forge.wgrad_update_rounded_.default
+_EMBEDDING_R = torch.ops.forge.embedding_update_rounded_.default
 _HOST_SCALAR = torch.ops.forge.host_scalar.default
 # random numbers: Inductor draws seeds on the host at each call, a replayed graph would repeat the captured ones.
 # Ops tagged nondeterministic_seeded draw them, except attention with dropout_p == 0 (SDPA's flash / efficient /
@@ -53,7 +63,8 @@ def _meta(node):
 
 
 def _updates(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_APPLY, _FUSED, _EMBEDDING)]
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target in (_APPLY, _FUSED, _EMBEDDING, _FUSED_R, _EMBEDDING_R)]
 
 
 def _states_hparams(n):
@@ -111,11 +122,13 @@ def _device_scale(n) -> Optional[fx.Node]:
     return h[-1].args[0]
 
 
-def table_width(rules) -> int:
-    """Columns of the table: the most kernel scalars any of the rules takes (at least one)."""
+def table_width(rules, rounded_rules=()) -> int:
+    """Columns of the table: the most kernel scalars any of the rules takes -- one more for a rule of a rounded
+    update (its element key after the scalars) -- and at least one."""
     from ..kernels.epilogue_codegen import compile_epilogue
 
-    return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules])
+    return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules]
+               + [compile_epilogue(r, "cuda").n_kernel_scalars + 1 for r in rounded_rules])
 
 
 def _draws_random_numbers(n: fx.Node) -> bool:
@@ -168,17 +181,22 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
         elif computed:
             return (f"an update's hyper-parameter is computed by the step ({computed[0].target}), not an optimizer "
                     "value the table can hold")
+        # a rounded update (stochastic_rounding): a bf16 parameter, its gradient and tensor states bf16 or fp32
+        rounded = round_args(n) is not None
+        ok = (torch.float32, torch.bfloat16) if rounded else (torch.float32,)
         if n.target is _APPLY:
             p, g = _meta(n.args[0]), _meta(n.args[1])
-            if p is None or g is None or p.dtype != torch.float32 or g.dtype != torch.float32 or p.shape != g.shape:
+            if (p is None or g is None or p.dtype != (torch.bfloat16 if rounded else torch.float32)
+                    or g.dtype not in ok or p.shape != g.shape):
                 return (f"an unfused update of a {getattr(p, 'dtype', '?')} parameter with a "
-                        f"{getattr(g, 'dtype', '?')} gradient (the graphed update takes fp32 both)")
+                        f"{getattr(g, 'dtype', '?')} gradient (the graphed update takes fp32 both, or a bf16 "
+                        "parameter under stochastic rounding)")
             if not p.is_contiguous():
                 return "an unfused update of a non-contiguous parameter"
         for i, s in enumerate(_states_hparams(n)[0]):
             if not rule.is_scalar_state(i):
                 sv, pv = _meta(s), _meta(n.args[0])
-                if (sv is None or pv is None or sv.dtype != torch.float32 or not sv.is_contiguous()
+                if (sv is None or pv is None or sv.dtype not in ok or not sv.is_contiguous()
                         or sv.shape != pv.shape):
                     return f"state {rule.states[i]!r} is not a contiguous fp32 tensor shaped like its parameter"
     for n in gm.graph.nodes:
@@ -200,7 +218,8 @@ def graph_replay_blocker(gm: fx.GraphModule, scalar_inputs: set, device: str = "
     return None
 
 
-def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[set] = None) -> tuple:
+def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[set] = None,
+                     round_rows: Optional[dict] = None) -> tuple:
     """Rewrite every update of ``gm`` to read its scalars from one row of a new last placeholder
     ``forge_scalar_table`` (fp32 [rows, width]). ``plan_of`` maps each scalar-state, tensor-state and
     hyper-parameter placeholder to its optimizer plan. Call only when ``graph_replay_blocker`` returned None.
@@ -208,7 +227,8 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
     updated in this graph, in graph order). A fused update that clips (last hyper-parameter
     ``forge::host_scalar(coef)``) reads its row with the coefficient written into ``grad_scale``'s column on the
     device; its row's number goes into ``scaled_rows``, whose rows the caller fills for ``grad_scaled_rule(plan's
-    rule)`` with a placeholder grad_scale."""
+    rule)`` with a placeholder grad_scale. A rounded update's row maps to its salt in ``round_rows``: the caller
+    writes that row's element key after its scalars (``fill_table``)."""
     graph = gm.graph
     updates = _updates(gm)
     plan_rows: dict = {}
@@ -218,7 +238,8 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
         if not keys:
             raise RuntimeError(f"forge: no optimizer plan for the update of {n.args[0]}")
         plan_rows.setdefault(plan_of[keys[0]], len(plan_rows))
-    width = table_width({get_rule(_rule_of(n)) for n in updates})
+    width = table_width({get_rule(_rule_of(n)) for n in updates},
+                        {get_rule(_rule_of(n)) for n in updates if round_args(n) is not None})
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         table = graph.placeholder("forge_scalar_table")
@@ -233,6 +254,8 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
         row = plan_rows[plan_of[key]]
         tensor_states = split_states(rule, states)[0]
         scale = _device_scale(n)
+        if (rounding := round_args(n)) is not None and round_rows is not None:
+            round_rows[row] = rounding[1]
         with graph.inserting_before(n):
             sel = graph.call_function(aten.select.int, (table, 0, row))
             if fake is not None:
@@ -248,12 +271,16 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
                     sel.meta["val"] = table.meta["val"][row].clone()
                 if scaled_rows is not None:
                     scaled_rows.add(row)
-            if n.target is _FUSED:
+            # the rounded ops: the table op on their bf16 weight rounds with the row's key (no key, no salt)
+            if n.target in (_FUSED, _FUSED_R):
                 w, dy_t, x = n.args[:3]
+                kw = dict(n.kwargs)
+                if n.target is _FUSED_R:
+                    kw.update(zip(("emb_grad_output", "emb_indices", "emb_padding_idx"), n.args[8:]))
                 new = graph.call_function(torch.ops.forge.wgrad_update_table_.default,
-                                          (w, dy_t, x, tensor_states, sel, rule.name), dict(n.kwargs))
+                                          (w, dy_t, x, tensor_states, sel, rule.name), kw)
                 new.meta["forge"] = "wgrad_update"
-            elif n.target is _EMBEDDING:
+            elif n.target in (_EMBEDDING, _EMBEDDING_R):
                 w, grad_output, indices = n.args[:3]
                 new = graph.call_function(torch.ops.forge.embedding_update_table_.default,
                                           (w, grad_output, indices, tensor_states, sel, rule.name, n.args[6]))
@@ -264,6 +291,7 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
                                           (p, g, tensor_states, sel, rule.name))
         new.meta["val"] = None
         counters["unfused" if n.target is _APPLY else "fused"] += 1
+        counters["rounded"] += rounding is not None
         graph.erase_node(n)
     for n in list(graph.nodes):     # the coefficients' host copies: every reader now takes the device value
         if n.target is _HOST_SCALAR and not n.users:
@@ -275,19 +303,20 @@ def use_scalar_table(gm: fx.GraphModule, plan_of: dict, scaled_rows: Optional[se
 
 def fill_table(table: torch.Tensor, items) -> None:
     """Write one call's scalars into ``table`` (fp32 [rows, width] on the device) and advance the scalar states.
-    ``items``: per row ``(rule, states, hparams)``, the states in the rule's order -- the values are
-    ``rule_scalars``', bitwise what the host passes a normal launch; the scalar states advance as a normal launch
-    advances them."""
+    ``items``: per row ``(rule, states, hparams)`` or ``(rule, states, hparams, ekey)``, the states in the rule's
+    order -- the values are ``rule_scalars``', bitwise what the host passes a normal launch; the scalar states
+    advance as a normal launch advances them; ``ekey`` (a rounded update's element key, or None) goes into the
+    word after the scalars (stochastic_round.table_row)."""
     width = table.shape[1]
     target = "cuda" if table.is_cuda else "interpret"     # the kernels' scalars differ by target (division)
     rows = []
-    for rule, states, hparams in items:
+    for rule, states, hparams, *ekey in items:
         scalar_states = split_states(rule, states)[1]
         values, new = rule_scalars(rule, scalar_states, hparams, target)
-        rows.append(list(values) + [0.0] * (width - len(values)))
+        rows.append(table_row(values, ekey[0] if ekey else None, width))
         for s, v in zip(scalar_states, new):
             s.fill_(v)
-    host = torch.tensor(rows, dtype=torch.float32)
+    host = torch.stack(rows) if rows else torch.zeros((0, width))
     if table.is_cuda:
         # pinned + non_blocking: stream-ordered before the replay, no host wait; the caching host allocator keeps
         # the pinned block until the copy has run
