@@ -280,6 +280,62 @@ def test_cuda_kernel_exact(rule_name, state_dtype, shape, kernel, monkeypatch):
     _check_exact(rule_name, *shape, "cuda", state_dtype)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("rule_name", [ADAMW, SGDM], ids=["adamw", "sgdm"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_cuda_table_key_exact(rule_name, state_dtype, kernel, monkeypatch):
+    # the key from the row (what a replayed step's launch reads): auto takes the Gluon kernel's table variant on sm_90
+    monkeypatch.setenv("FORGE_WGRAD_KERNEL", kernel)
+    for shape in [(67, 45, 31), (1024, 512, 256)]:
+        for ekey in (0x7FFFFFFF, 16):
+            _check_exact(rule_name, *shape, "cuda", state_dtype, ekey=ekey, table=True)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_cuda_graph_replays_a_rounded_launch_with_each_key(kernel, monkeypatch):
+    # one rounded launch captured once, replayed three times with a new key (and step) written into its row between
+    # replays: each replay bitwise the spec with its own key -- a captured key would round every replay alike
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update, rule_scalars, split_states
+
+    monkeypatch.setenv("FORGE_WGRAD_KERNEL", kernel)
+    w, dy_t, x, states, rule = _case(ADAMW, 1024, 512, 256, "cuda", torch.bfloat16)
+    hp = _hparams(rule)
+    tensor_states, scalar_states = split_states(rule, states)
+    grad = torch.empty(1024, 512, device="cuda")
+    row = torch.zeros(16, device="cuda")
+
+    def fill(ekey):
+        values, new = rule_scalars(rule, scalar_states, hp, "cuda")
+        row.copy_(table_row(values, ekey, 16).cuda())
+        return new
+
+    def launch(w_, st_, g_):
+        launch_wgrad_update(w_, dy_t, x, st_, [], rule, side_out=g_, table=row, ekey=TABLE_KEY)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # warm-up (compiles) on copies, outside the capture
+        fill(1)
+        launch(w.clone(), [t.clone() for t in tensor_states], grad.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(w, tensor_states, grad)
+    for step in range(3):
+        ekey = element_key(round_key(1, step), 2)
+        w_e, st_e = w.clone(), [t.clone() for t in states]
+        new = fill(ekey)
+        graph.replay()
+        for t, v in zip(scalar_states, new):
+            t.fill_(v)
+        reference_update(w_e, grad, st_e, hp, rule.name, ekey)
+        assert torch.equal(w.view(torch.int16), w_e.view(torch.int16)), \
+            f"replay {step}: W differs in {(w.view(torch.int16) != w_e.view(torch.int16)).sum().item()} elements"
+        assert all(torch.equal(t, e) for t, e in zip(states, st_e)), step
+
+
 # ---- the Gluon kernel (sm_90): the smem and split epilogues round a bf16 weight ------------------------------------
 
 LION = rules.lion_rule().name
@@ -419,6 +475,19 @@ def test_gluon_kernel_exact_ragged(layout, rule_name, state_dtype, row_vec):
            "split_hoist": wg.split_config(hoist=True),
            "split_r16a2h": wg.split_config(rows=16, ahead=2, hoist=True)}[layout]
     _check_exact(rule_name, 1000, 776, 333, "cuda", state_dtype, gconfig=cfg, max_ctas=5)
+
+
+@sm90
+@pytest.mark.parametrize("layout", ["smem_a1h", "split_hoist", "split"])
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES, ids=str)
+@ROW_VECS
+def test_gluon_table_key_exact(layout, state_dtype, row_vec):
+    # the Gluon kernels' table variant: the scalars and the key from the row (scalar_fields(key=True))
+    wg = _gluon()
+    cfg = {"smem_a1h": wg.smem_config(ahead=1, hoist=True), "split_hoist": wg.split_config(hoist=True),
+           "split": wg.split_config()}[layout]
+    for ekey in (0x7FFFFFFF, 1):
+        _check_exact(ADAMW, 1000, 776, 333, "cuda", state_dtype, gconfig=cfg, max_ctas=5, ekey=ekey, table=True)
 
 
 @sm90

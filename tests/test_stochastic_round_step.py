@@ -333,6 +333,36 @@ def test_cuda_graphed_rounded_step_is_the_spec():
     _check_graphed_route1("cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphed_lm_rounds_like_the_plain_step():
+    # TinyLM in bf16 (embedding, projections, norms, head): the replayed step's rounded updates (table ops, keys from
+    # the rows) against the plain step's (host keys; unfused norms through Inductor's traced spec): the same losses
+    # up to rounding-boundary crossings, weights a bf16 ulp or so apart
+    from forge_compile import step_graph as sg
+
+    def run(graphs):
+        torch.manual_seed(0)
+        model = TinyLM().to("cuda", torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=2, cuda_graphs=graphs)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            x = torch.randint(0, 40, (4, 8), generator=g).cuda()
+            losses.append(step(x, torch.roll(x, -1, 1)).item())
+        return model, losses, step.last_report
+
+    sg.counters.clear()
+    m1, l1, rep = run(True)
+    assert sg.counters.get("replays", 0) >= 3, dict(sg.counters)
+    assert any("stochastically rounded updates read their step's random key" in n for n in rep.notes), rep.notes
+    assert rep.row("model.emb.weight").fused
+    m2, l2, _ = run(False)
+    assert l1[0] == l2[0] and max(abs(a - b) for a, b in zip(l1, l2)) < 2e-2, (l1, l2)
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
+
+
 def _check_backend_table(device, **options):
     from forge_compile import backend
 
