@@ -82,8 +82,8 @@ def _specs(args):
                 sides = ([None] + (["dw"] if args.grad_out else []) + (["cast"] if args.cast_out else [])
                          + (["tied"] if args.tied else []) + (["sr", "sr_f32", "sr_dw"] if args.sr else []))
                 for side in sides:
-                    if side and side.startswith("sr") and (table or layouts[lname].epi not in ("smem", "split")):
-                        continue    # stochastic rounding: the smem and split kernels, host scalars
+                    if side and side.startswith("sr") and layouts[lname].epi not in ("smem", "split"):
+                        continue    # stochastic rounding: the smem and split kernels (with a table: the key too)
                     if side == "cast" and layouts[lname].epi not in wg.POINTER_EPIS:
                         continue    # the TMA ring does not write the cast copy
                     if side == "tied" and layouts[lname].epi not in ("smem", "split"):
@@ -120,6 +120,7 @@ def _sass_digest(cubin: bytes, cuobjdump: str):
 def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
     from forge_compile.kernels import wgrad_update_gluon as wg
     from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    from forge_compile.kernels.stochastic_round import TABLE_KEY
     from forge_compile.kernels.wgrad_update_triton import split_states
 
     gen = torch.Generator().manual_seed(0)
@@ -127,7 +128,7 @@ def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
     states = [torch.tensor(1.0) if rule.is_scalar_state(i) else torch.rand(n, k, generator=gen)
               for i in range(len(rule.states))]
     # stochastic rounding: a bf16 weight with bf16 states ("sr"), fp32 states ("sr_f32") or dW stored ("sr_dw")
-    ekey = 12345 if side and side.startswith("sr") else None
+    ekey = (TABLE_KEY if table else 12345) if side and side.startswith("sr") else None
     if ekey is not None:
         w = w.bfloat16()
         if side != "sr_f32":
@@ -143,7 +144,7 @@ def compile_one(rule, cfg, table, side, n, k, m, act=torch.bfloat16):
     if table:
         states = split_states(rule, states)[0]
         hp = []
-        tab = torch.zeros(compile_epilogue(rule, "cuda").n_kernel_scalars)
+        tab = torch.zeros(compile_epilogue(rule, "cuda").n_kernel_scalars + (ekey is not None))
     kernel, grid, kargs, opts = wg._prepare(w, dy.t(), x, states, hp, rule, grad, config=cfg, max_ctas=132,
                                             table=tab, extra=extra, ekey=ekey)[:4]
     ck = kernel.warmup(*kargs, grid=grid, **opts)
