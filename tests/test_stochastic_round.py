@@ -237,6 +237,30 @@ def test_table_row_keeps_every_key_bit():
     assert table_row([2.0]).tolist() == [2.0] and table_row([], 7).view(torch.int32).tolist() == [7]
 
 
+def test_fill_table_writes_each_rounded_rows_key_after_its_scalars():
+    # the runtime's whole-table write (before every replay) against table_row, row by row: rules of different widths,
+    # rounded rows (NaN-pattern key included) beside unrounded ones; the scalar states advanced as rule_scalars says
+    from forge_compile.passes.scalar_table import fill_table, table_width
+    from forge_compile.kernels.wgrad_update_triton import rule_scalars, split_states
+
+    adamw, sgdm = get_rule(ADAMW), get_rule(SGDM)
+    items, want = [], []
+    for i, (rule, ekey) in enumerate([(adamw, 0x7FFFFFFF), (sgdm, None), (sgdm, 5), (adamw, None)]):
+        states = [torch.tensor(float(i + 1)) if rule.is_scalar_state(j) else torch.zeros(3)
+                  for j in range(len(rule.states))]
+        values, new = rule_scalars(rule, [s.clone() for s in split_states(rule, states)[1]], _hparams(rule),
+                                   "interpret")
+        want.append((values, ekey, new, states))
+        items.append((rule, states, _hparams(rule)) + (() if ekey is None and i == 3 else (ekey,)))
+    width = table_width({adamw, sgdm}, {adamw, sgdm})
+    table = torch.full((4, width), float("nan"))
+    fill_table(table, items)
+    for r, (values, ekey, new, states) in enumerate(want):
+        assert torch.equal(table[r].view(torch.int32), table_row(values, ekey, width).view(torch.int32)), r
+        rule = items[r][0]
+        assert [s.item() for s in split_states(rule, states)[1]] == [float(v) for v in new]
+
+
 def test_interpreter_table_key_refused_without_a_table(interpret):
     from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update
 

@@ -34,7 +34,6 @@ import torch.fx as fx
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
 from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
-from ..kernels.stochastic_round import table_row
 from ..kernels.wgrad_update_triton import rule_scalars, split_states
 from .remat_for_backward import view_root, written_args
 from .wgrad_update_pattern import round_args
@@ -309,14 +308,21 @@ def fill_table(table: torch.Tensor, items) -> None:
     word after the scalars (stochastic_round.table_row)."""
     width = table.shape[1]
     target = "cuda" if table.is_cuda else "interpret"     # the kernels' scalars differ by target (division)
-    rows = []
-    for rule, states, hparams, *ekey in items:
+    rows, keys = [], []
+    for r, (rule, states, hparams, *ekey) in enumerate(items):
         scalar_states = split_states(rule, states)[1]
         values, new = rule_scalars(rule, scalar_states, hparams, target)
-        rows.append(table_row(values, ekey[0] if ekey else None, width))
+        rows.append(list(values) + [0.0] * (width - len(values)))
+        if ekey and ekey[0] is not None:
+            keys.append((r, len(values), int(ekey[0])))
         for s, v in zip(scalar_states, new):
             s.fill_(v)
-    host = torch.stack(rows) if rows else torch.zeros((0, width))
+    # one tensor for the whole table (this runs before every replay: ~100 rows); the keys written as their int32
+    # bit patterns afterwards, as stochastic_round.table_row does for one row
+    host = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), width)
+    if keys:
+        r, c, k = zip(*keys)
+        host.view(torch.int32)[list(r), list(c)] = torch.tensor(k, dtype=torch.int32)
     if table.is_cuda:
         # pinned + non_blocking: stream-ordered before the replay, no host wait; the caching host allocator keeps
         # the pinned block until the copy has run
