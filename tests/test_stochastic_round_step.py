@@ -387,6 +387,36 @@ def test_cuda_backend_graphed_rounding_is_the_spec():
     _check_backend_table("cuda", **{"triton.cudagraphs": True})
 
 
+def test_clip_grad_norm_of_bf16_gradients_is_left_unfused_and_said():
+    # clip_grad_norm_ over bf16 parameters' gradients: torch computes the norms and the coefficient in bf16 and scales
+    # the bf16 gradient; a fused update would scale the fp32 dW -- not built yet, so the weights stay unfused with that
+    # reason (not "clip_grad_value_"), and the step is the unfused rounding step, bitwise
+    def run(fuse):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            return loss
+        s = forge.compile_train_step(step, stochastic_rounding=3, fuse=fuse)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            s(torch.randn(4, 16, generator=g).to(torch.bfloat16), torch.randn(4, 8, generator=g))
+        return model, s.last_report
+
+    m1, rep = run(True)
+    m2, _ = run(False)
+    for d in rep.rows:
+        assert not d.fused and "clip_grad_norm_ over bf16 gradients" in d.reason, d
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_fp32_parameters_unaffected():
     torch.manual_seed(0)
     model = nn.Linear(8, 8)

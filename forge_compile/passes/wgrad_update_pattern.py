@@ -174,6 +174,18 @@ def _is_grad_scale(node: fx.Node) -> bool:
             and gv.dtype == torch.float32)
 
 
+def _is_low_precision_grad_scale(node: fx.Node) -> bool:
+    """``node`` = ``g * factor`` with a 0-dim factor where ``g`` or the factor is bf16/fp16: clip_grad_norm_ over the
+    bf16 gradients of bf16 parameters (stochastic_rounding), whose norms and coefficient torch computes in bf16."""
+    if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
+        return False
+    g, f = node.args
+    fv, gv = _meta(f), _meta(g)
+    return (isinstance(f, fx.Node) and f is not g and fv is not None and gv is not None and fv.dim() == 0
+            and (fv.dtype, gv.dtype) != (torch.float32, torch.float32)
+            and {fv.dtype, gv.dtype} <= {torch.float32, torch.bfloat16, torch.float16})
+
+
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers,
@@ -241,6 +253,11 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if cur.target is aten.add_.Tensor and any(_from_weight_gradient(a) for a in cur.args[:2]):
                 return ("gradient sums several backward passes (accumulation inside the step), not each a plain "
                         "matmul's dW or each an embedding's (a tied weight's passes stay unfused)")
+            if _is_low_precision_grad_scale(cur):
+                # the fused update would scale the fp32 dW, torch scales the bf16 gradient by a bf16 coefficient
+                return ("gradient is scaled by a 0-dim factor in low precision before the update (clip_grad_norm_ "
+                        "over bf16 gradients, as with stochastic_rounding): not fused yet -- only fp32 gradients' "
+                        "clipping is taken into the update")
             return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_value_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
