@@ -387,34 +387,184 @@ def test_cuda_backend_graphed_rounding_is_the_spec():
     _check_backend_table("cuda", **{"triton.cudagraphs": True})
 
 
-def test_clip_grad_norm_of_bf16_gradients_is_left_unfused_and_said():
-    # clip_grad_norm_ over bf16 parameters' gradients: torch computes the norms and the coefficient in bf16 and scales
-    # the bf16 gradient; a fused update would scale the fp32 dW -- not built yet, so the weights stay unfused with that
-    # reason (not "clip_grad_value_"), and the step is the unfused rounding step, bitwise
-    def run(fuse):
+def _clip_step(model, opt, max_norm):
+    def step(x, c):
+        loss = (model(x).float() * c).sum()
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def _bf16_coefficients(norms, max_norm):
+    # clip_grad_norm_'s coefficient from the per-parameter norms (bf16, rounded from the fp32 dW's), as the step's
+    # graph may compute it: every op rounded to bf16 (eager), or -- Inductor's fused pointwise code upcasts bf16 and may
+    # drop round trips to bf16 -- in fp32, from the bf16 or the fp32 norms, rounded to bf16 once or not at all
+    out = set()
+    stacked = torch.stack(norms)
+    total = torch.linalg.vector_norm(stacked, 2.0)
+    out.add(float(torch.clamp(torch.reciprocal(total + 1e-6) * max_norm, max=1.0)))
+    for st in (stacked.float(), torch.stack([n.float() for n in norms])):
+        for round_total in (False, True):
+            t = torch.linalg.vector_norm(st, 2.0)
+            t = t.bfloat16().float() if round_total else t
+            coef = torch.clamp(torch.reciprocal(t + 1e-6) * max_norm, max=1.0)
+            out |= {float(coef), float(coef.bfloat16())}
+    return out
+
+
+def test_clip_grad_norm_of_bf16_gradients_fused_with_rounding():
+    # clip_grad_norm_ over rounded weights' bf16 gradients (CPU): each weight's norm from its fp32 dW (rounded to
+    # bf16, the dtype torch's norm has), torch's coefficient arithmetic as traced and compiled, the update scaling the
+    # fp32 dW by the coefficient. Two layers, SGD, integer inputs: the weights bitwise the spec with a coefficient
+    # computed from the bf16 norms (_bf16_coefficients: which precision Inductor keeps is its business); a max_norm
+    # that never clips (coefficient exactly 1) is bitwise the unclipped step
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(-2, 3, (6, 16), generator=g).to(torch.bfloat16),
+                torch.randint(-3, 4, (6, 8), generator=g).float()) for _ in range(2)]
+
+    def run(max_norm):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        step = forge.compile_train_step(_clip_step(model, opt, max_norm), stochastic_rounding=4)
+        for x, c in batches:
+            step(x, c)
+        return model, step.last_report
+
+    m_off, _ = run(None)
+    m_big, rep_big = run(1e9)
+    for a, b in zip(m_off.parameters(), m_big.parameters()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # the spec, call by call: the step's weights must be the spec's for one of the coefficient candidates
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = forge.compile_train_step(_clip_step(model, opt, 3.0), stochastic_rounding=4)
+    rule = rules.sgd_rule()
+    hp = [torch.tensor(0.05 if h == "lr" else 0.0, dtype=torch.float64) for h in rule.hparams]
+    w = [p.detach().clone() for p in base.parameters()]
+    for call, (x, c) in enumerate(batches):
+        step(x, c)
+        h = x @ w[0].t()                                     # the bf16 forward, as the step's matmuls
+        dy = c.bfloat16()                                    # d loss / d out: exact small integers
+        dh = dy @ w[1]                                       # the bf16 backward's dX
+        dws = [dh.float().t() @ x.float(), dy.float().t() @ h.float()]    # the fused updates' fp32 dW
+        norms = [d.pow(2).sum().sqrt().bfloat16() for d in dws]
+        got = [p.detach() for p in model.parameters()]
+        # (measured on CPU, torch 2.13: the fp32 chain from the bf16 norms, unrounded)
+        match = None
+        for coef in sorted(_bf16_coefficients(norms, 3.0)):
+            assert coef < 1.0          # it clips
+            cand = [p.clone() for p in w]
+            for i, (p, d) in enumerate(zip(cand, dws)):
+                reference_update(p, d * coef, [], hp, rule.name, element_key(round_key(4, call), i))
+            if all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(cand, got)):
+                match = cand
+                break
+        assert match is not None, f"call {call}: the step's weights are no coefficient candidate's spec"
+        w = match
+    for d in step.last_report.rows:
+        assert d.fused and "gradient scaled in the update (clip_grad_norm_)" in d.reason, d
+
+
+def test_clip_grad_norm_of_bf16_gradients_unrounded_weight_not_fused_and_said(monkeypatch):
+    # the low-precision clip is taken into the update for rounded weights only; the reason names it
+    from forge_compile.passes import wgrad_update_pattern as pat
+
+    monkeypatch.setattr(pat, "_low_precision_clip_allowed", lambda apply: False)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = forge.compile_train_step(_clip_step(model, opt, 1.0), stochastic_rounding=4)
+    rep = step.explain(torch.randn(4, 16).to(torch.bfloat16), torch.randn(4, 8))
+    for d in rep.rows:
+        assert not d.fused and "clip_grad_norm_ over bf16 gradients" in d.reason, d
+
+
+def test_interpreter_replayed_clip_with_rounding(interpret):
+    # the replayed step (rerun recorder, Triton's interpreter): the clipped rounded updates read the coefficient and
+    # the key from their rows; against the same step without graphs: the same first loss, weights an ulp or so apart
+    # (the unfused norms run rule_update_'s kernel instead of Inductor's traced rule)
+    from forge_compile import step_graph as sg
+    from models import rerun_recorder
+
+    def run(graphs):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+        model = TinyLM().to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
         def step(x, y):
-            loss = F.mse_loss(model(x).float(), y)
+            loss = lm_loss(model(x).float(), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             opt.zero_grad()
             return loss
-        s = forge.compile_train_step(step, stochastic_rounding=3, fuse=fuse)
+        s = forge.compile_train_step(step, stochastic_rounding=3, cuda_graphs=graphs)
         g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            s(torch.randn(4, 16, generator=g).to(torch.bfloat16), torch.randn(4, 8, generator=g))
-        return model, s.last_report
+        losses = [s(x, torch.roll(x, -1, 1)).item() for x in [torch.randint(0, 40, (2, 8), generator=g)
+                                                             for _ in range(5)]]
+        return model, losses, s.last_report
 
-    m1, rep = run(True)
-    m2, _ = run(False)
-    for d in rep.rows:
-        assert not d.fused and "clip_grad_norm_ over bf16 gradients" in d.reason, d
-    for a, b in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cpu", rerun_recorder
+    sg.counters.clear()
+    try:
+        m1, l1, rep = run(True)
+        counts = dict(sg.counters)
+    finally:
+        sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
+    m2, l2, _ = run(False)
+    assert counts.get("replays") == 3, counts
+    assert rep.row("model.block.qkv.weight").fused and rep.row("model.emb.weight").fused, rep
+    assert any("fused updates read their gradient factor" in n for n in rep.notes), rep.notes
+    assert l1[0] == l2[0] and max(abs(a - b) for a, b in zip(l1, l2)) < 1e-2, (l1, l2)
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert (a.float() - b.float()).abs().max() <= 2 * 2 ** -6, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphed"])
+def test_cuda_clip_with_rounding_behind_its_gate(graphs, monkeypatch):
+    # on CUDA the bf16 clip is taken into the rounded update only with FORGE_SR_CLIP=1 (its kernels not GPU-run when
+    # it was built): without it the projections stay unfused with the reason; with it they fuse (graphed: the
+    # coefficient and the key both from the table row) and train like the unfused rounding step
+    from forge_compile.passes import wgrad_update_pattern as pat
+
+    def run(gate):
+        if gate:
+            monkeypatch.setenv(pat.SR_CLIP_ENV, "1")
+        else:
+            monkeypatch.delenv(pat.SR_CLIP_ENV, raising=False)
+        torch.manual_seed(0)
+        model = TinyLM().to("cuda", torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            loss = lm_loss(model(x).float(), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            return loss
+        s = forge.compile_train_step(step, stochastic_rounding=2, cuda_graphs=graphs)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            x = torch.randint(0, 40, (4, 8), generator=g).cuda()
+            losses.append(s(x, torch.roll(x, -1, 1)).item())
+        return model, losses, s.last_report
+
+    m0, l0, rep0 = run(False)
+    qkv = "model.block.qkv.weight"
+    assert not rep0.row(qkv).fused and pat.SR_CLIP_ENV in rep0.row(qkv).reason, rep0.row(qkv)
+    m1, l1, rep1 = run(True)
+    assert rep1.row(qkv).fused and "clip_grad_norm_" in rep1.row(qkv).reason, rep1.row(qkv)
+    assert l0[0] == l1[0] and max(abs(a - b) for a, b in zip(l0, l1)) < 2e-2, (l0, l1)
+    for (name, a), b in zip(m0.named_parameters(), m1.parameters()):
+        assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
 
 
 def test_fp32_parameters_unaffected():

@@ -112,10 +112,23 @@ def _describe_users(node: fx.Node, exclude) -> str:
     return ", ".join(names)
 
 
+# clip_grad_norm_ over the bf16 gradients of rounded weights (stochastic_rounding) taken into the fused update: on
+# CPU always; on CUDA only with FORGE_SR_CLIP=1 until its kernels (grad-scaled rounded Gluon/Triton launches) have run
+# on a GPU -- built in stop 39 without device time left
+SR_CLIP_ENV = "FORGE_SR_CLIP"
+
+
+def _low_precision_clip_allowed(apply: fx.Node) -> bool:
+    w = _meta(apply.args[0])
+    return (round_args(apply) is not None and w is not None
+            and (w.device.type != "cuda" or os.environ.get(SR_CLIP_ENV) == "1"))
+
+
 def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Optional[_Match], str]:
     """Walk back from the update's gradient to the matmul (with ``embeddings``: or the embedding backward, or the
-    sum of one of each -- a tied embedding / output weight) producing it."""
-    found = _walk(apply.args[1], apply, embeddings, True)
+    sum of one of each -- a tied embedding / output weight) producing it. A rounded weight's (stochastic_rounding)
+    gradient may be bf16: its L2 norms and one 0-dim factor are then taken in bf16 too (_low_precision_clip_allowed)."""
+    found = _walk(apply.args[1], apply, embeddings, True, _low_precision_clip_allowed(apply))
     if isinstance(found, str):
         return None, found
     mm, chain, transposed, emb, scale_mul, norms, passes, dp = found
@@ -151,27 +164,31 @@ def _in_place(target) -> bool:
     return isinstance(target, OpOverload) and op_overload_name(target)[0].endswith("_")
 
 
-def _is_l2_norm(node: fx.Node, of: fx.Node) -> bool:
-    """``node`` is ``linalg_vector_norm(of, 2)`` over all elements (what clip_grad_norm_ and ``g.norm()`` trace to)."""
+def _is_l2_norm(node: fx.Node, of: fx.Node, low: bool = False) -> bool:
+    """``node`` is ``linalg_vector_norm(of, 2)`` over all elements (what clip_grad_norm_ and ``g.norm()`` trace to);
+    ``of`` fp32, or with ``low`` bf16 (a rounded weight's gradient: the norm is then taken of its fp32 dW and
+    rounded to bf16, _replace_norm)."""
     if node.op != "call_function" or node.target is not aten.linalg_vector_norm.default or node.args[0] is not of:
         return False
     ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
     rest = list(node.args[2:]) + [v for k, v in node.kwargs.items() if k != "ord"]
     v = _meta(of)
-    return (ord_ == 2 and all(r in (None, False) for r in rest) and v is not None and v.dtype == torch.float32)
+    return (ord_ == 2 and all(r in (None, False) for r in rest) and v is not None
+            and v.dtype in ((torch.float32, torch.bfloat16) if low else (torch.float32,)))
 
 
-def _is_grad_scale(node: fx.Node) -> bool:
+def _is_grad_scale(node: fx.Node, low: bool = False) -> bool:
     """``node`` = ``g * factor`` with a 0-dim fp32 factor node (in place or not; clip_grad_norm_'s
-    ``g.mul_(coef)``)."""
+    ``g.mul_(coef)``); with ``low`` g and the factor may be bf16 (a rounded weight: the update scales its fp32 dW by
+    the factor, converted to fp32 exactly)."""
     if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
         return False
     g, f = node.args
     if not isinstance(f, fx.Node) or f is g:
         return False
     fv, gv = _meta(f), _meta(g)
-    return (fv is not None and gv is not None and fv.dim() == 0 and fv.dtype == torch.float32
-            and gv.dtype == torch.float32)
+    ok = (torch.float32, torch.bfloat16) if low else (torch.float32,)
+    return fv is not None and gv is not None and fv.dim() == 0 and fv.dtype in ok and gv.dtype in ok
 
 
 def _is_low_precision_grad_scale(node: fx.Node) -> bool:
@@ -186,7 +203,7 @@ def _is_low_precision_grad_scale(node: fx.Node) -> bool:
             and {fv.dtype, gv.dtype} <= {torch.float32, torch.bfloat16, torch.float16})
 
 
-def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
+def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool, low: bool = False):
     """From ``cur`` (read by ``consumer``) back to the gradient's producer through nodes only the path reads:
     (producer, chain, transposed, embedding backward added to it or None, scale factor or None, L2-norm readers,
     accumulated passes' (mm, transposed) or (), data-parallel mean (group name, world size) or None), or the reason
@@ -203,7 +220,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
         if not isinstance(cur, fx.Node):
             return "gradient is not a graph value"
         others = [u for u in cur.users if u is not consumer]
-        if others and all(_is_l2_norm(u, cur) for u in others):
+        if others and all(_is_l2_norm(u, cur, low) for u in others):
             norms += others
             scaled_norm = scaled_norm or scale_mul is None   # read before the walk met a scale: a scaled value
             others = []
@@ -230,7 +247,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             chain += path
             consumer, cur = path[-1], path[-1].args[0]
             continue
-        if _is_grad_scale(cur):
+        if _is_grad_scale(cur, low):
             if scale_mul is not None:
                 return "gradient is scaled twice before the update"
             scale_mul = cur
@@ -256,8 +273,9 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool):
             if _is_low_precision_grad_scale(cur):
                 # the fused update would scale the fp32 dW, torch scales the bf16 gradient by a bf16 coefficient
                 return ("gradient is scaled by a 0-dim factor in low precision before the update (clip_grad_norm_ "
-                        "over bf16 gradients, as with stochastic_rounding): not fused yet -- only fp32 gradients' "
-                        "clipping is taken into the update")
+                        "over bf16 gradients): taken into the update only for a weight rounded stochastically "
+                        f"(stochastic_rounding), on CUDA only with {SR_CLIP_ENV}=1 until its kernels have run on a "
+                        "GPU")
             return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_value_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
@@ -700,6 +718,10 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         for nn in match.norms:
             _replace_norm(graph, nn, match, operands)
         scale = match.scale
+        if scale is not None and _meta(scale) is not None and _meta(scale).dtype != torch.float32:
+            # a bf16 coefficient (clip_grad_norm_ over a rounded weight's bf16 gradient): converted exactly; the
+            # kernel scales the fp32 dW by it
+            scale = _fp32_factor(graph, scale, host_scales)
         if match.dp is not None:
             scale = _dp_factor(graph, scale, match.dp[1], dp_factors)
         if scale is not None:
@@ -822,14 +844,33 @@ def _replace_norm(graph: fx.Graph, norm: fx.Node, match: _Match, operands=None) 
             # the norm of the mean over the ranks: the gathered operands' product is the sum
             root = graph.call_function(aten.mul.Tensor, (roots, 1.0 / match.dp[1]))
             new.append(roots)
-    for n in {sq, roots, root}:
-        if "val" in norm.meta:
-            n.meta["val"] = norm.meta["val"]
+        fp32 = [sq, roots, root]
+        nv = norm.meta.get("val")
+        if nv is not None and nv.dtype != torch.float32:
+            # a rounded weight's bf16 gradient (stochastic_rounding): the norm of its fp32 dW, rounded to the dtype
+            # torch's norm of the bf16 gradient has, so the clipping arithmetic after it is traced as it was
+            root = graph.call_function(aten._to_copy.default, (root,), {"dtype": nv.dtype})
+            new.append(root)
+            root.meta["val"] = nv
+    for n in set(fp32):
+        if nv is not None:
+            n.meta["val"] = nv if nv.dtype == torch.float32 else nv.to(torch.float32)
     for n in new + [sq, root]:
         n.meta["forge"] = "wgrad_norm"
     norm.replace_all_uses_with(root)
     graph.erase_node(norm)
     counters["norm_from_operands"] += 1
+
+
+def _fp32_factor(graph: fx.Graph, scale: fx.Node, made: dict) -> fx.Node:
+    """``scale`` (a 0-dim bf16 factor) as fp32, one conversion per factor (kept in ``made`` under (scale, "fp32"))."""
+    key = (scale, "fp32")
+    if key not in made:
+        with graph.inserting_after(scale):
+            made[key] = graph.call_function(aten._to_copy.default, (scale,), {"dtype": torch.float32})
+        made[key].meta["val"] = _meta(scale).to(torch.float32)
+        made[key].meta["forge"] = "wgrad_update"
+    return made[key]
 
 
 def _host_scale(graph: fx.Graph, scale: fx.Node, hparams) -> fx.Node:
