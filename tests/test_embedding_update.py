@@ -15,6 +15,7 @@ import torch
 
 from forge_compile.kernels.embedding_update import (compact_rows, embedding_update, embedding_update_table,
                                                    reference_embedding_update)
+from forge_compile.kernels.stochastic_round import element_key, round_key
 from forge_compile.optim import rules as cat
 from interpreter import run_child
 from models import CorrectlyRoundedSqrt
@@ -118,16 +119,21 @@ def _tied(rule, n, k, m, shape, device="cpu", seed=0, act=torch.float32):
 
 
 def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None, exact_sqrt=False, dw_tol=1e-6,
-                act=torch.float32):
+                act=torch.float32, ekey=None):
     """The dW the op consumed (grad_out) is mm + the dense embedding gradient (fp32 rounding of the mm's other
-    summation order), and W/states are the rule applied to that dW, bitwise."""
+    summation order), and W/states are the rule applied to that dW, bitwise. ``ekey``: a bf16 weight and bf16
+    states (stochastic_rounding), the spec Rule.apply_rounded with that key."""
     from forge_compile.kernels.wgrad_update import wgrad_update
 
     w, dy_t, x, go, idx, st, hp = _tied(rule, n, k, m, shape, device, act=act)
+    if ekey is not None:
+        w = w.bfloat16()
+        st = [s if rule.is_scalar_state(i) else s.bfloat16() for i, s in enumerate(st)]
     w_e, st_e = w.clone(), [s.clone() for s in st]
     grad = torch.full((n, k), float("nan"), device=device)
+    kw = {} if ekey is None else {"ekey": ekey}
     (launch or (lambda *a, **kw: wgrad_update(*a, **kw)))(w, dy_t, x, st, hp, rule.name, grad_out=grad,
-                                                        emb=(go, idx, padding_idx))
+                                                        emb=(go, idx, padding_idx), **kw)
     ref = dy_t.double() @ x.double() + aten.embedding_dense_backward(go, idx, n, padding_idx, False).double()
     assert ((grad.double() - ref).norm() / ref.norm()).item() < dw_tol
     # the embedding's part exactly: the rows no token touched are the mm's alone
@@ -142,8 +148,12 @@ def _check_tied(rule, n, k, m, shape, padding_idx=-1, device="cpu", launch=None,
     assert ((grad[untouched].double() - mm.double()).abs() <= bound).all(), \
         f"max |diff| {(grad[untouched] - mm).abs().max().item():.3e}, bound {bound.min().item():.3e} at least"
     with torch.no_grad(), CorrectlyRoundedSqrt() if exact_sqrt else contextlib.nullcontext():
-        rule.apply(w_e, grad, st_e, hp)
-    assert torch.equal(w, w_e), f"W differs in {(w != w_e).sum().item()} elements"
+        if ekey is None:
+            rule.apply(w_e, grad, st_e, hp)
+        else:
+            rule.apply_rounded(w_e, grad, st_e, hp, ekey)
+    assert torch.equal(w.view(torch.int16) if ekey else w, w_e.view(torch.int16) if ekey else w_e), \
+        f"W differs in {(w != w_e).sum().item()} elements"
     for a, b in zip(st, st_e):
         assert torch.equal(a, b)
 
@@ -156,6 +166,40 @@ def test_cpu_tied_update(rule, padding_idx, monkeypatch):
     monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_BYTES", 4 * 200)
     monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_MIN_ROWS", 16)
     _check_tied(rule, 67, 45, 13, (2, 9), padding_idx)
+
+
+@pytest.mark.parametrize("rule", [ADAMW, LION], ids=lambda r: r.name)
+def test_cpu_tied_rounded_update(rule, monkeypatch):
+    # a tied bf16 embedding / output weight under stochastic_rounding (forge::wgrad_update_rounded_ with the rows):
+    # the step failed on it before stop 39 ("the weight must be a contiguous float32 tensor")
+    from forge_compile.kernels import wgrad_update_cpu as cpu_impl
+
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_BYTES", 4 * 200)
+    monkeypatch.setattr(cpu_impl, "_CPU_BLOCK_MIN_ROWS", 16)
+    _check_tied(rule, 67, 45, 13, (2, 9), 3, ekey=element_key(round_key(2, 1), 4))
+
+
+def test_interpreter_tied_rounded_update(interpret):
+    # the Triton kernel with the rows, the key as an argument and -- a replayed step's launch -- from its table row
+    from forge_compile.kernels.stochastic_round import TABLE_KEY, table_row
+    from forge_compile.kernels.wgrad_update import _extra_rows
+    from forge_compile.kernels.wgrad_update_triton import launch_wgrad_update, rule_scalars, split_states
+
+    ekey = element_key(round_key(2, 1), 4)
+    for table in (False, True):
+        def launch(w, dy_t, x, st, hp, rule_name, grad_out, emb, ekey):
+            extra = _extra_rows(w, emb)
+            if not table:
+                launch_wgrad_update(w, dy_t, x, st, hp, ADAMW, side_out=grad_out, config="interp", extra=extra,
+                                    ekey=ekey)
+                return
+            tensor_states, scalar_states = split_states(ADAMW, st)
+            values, new = rule_scalars(ADAMW, scalar_states, hp, "interpret")
+            launch_wgrad_update(w, dy_t, x, tensor_states, [], ADAMW, side_out=grad_out, config="interp",
+                                extra=extra, table=table_row(values, ekey), ekey=TABLE_KEY)
+            for s_, v in zip(scalar_states, new):
+                s_.fill_(v)
+        _check_tied(ADAMW, 67, 45, 13, (2, 9), 3, launch=launch, exact_sqrt=True, ekey=ekey)
 
 
 def test_interpreter_tied_update(interpret):
@@ -374,6 +418,9 @@ def test_cuda_tied_update(rule):
     # its IEEE dot sums in another order than fp64, 1e-5 relative
     _check_tied(rule, 1000, 776, 333, (4, 100), padding_idx=7, device="cuda", dw_tol=1e-5)
     _check_tied(rule, 4096, 1024, 2048, (2, 1024), device="cuda", dw_tol=1e-5)
+    # a tied bf16 weight rounded stochastically (bf16 activations, as a bf16 model has)
+    _check_tied(rule, 1000, 776, 333, (4, 100), padding_idx=7, device="cuda", dw_tol=1e-5, act=torch.bfloat16,
+                ekey=element_key(round_key(2, 1), 4))
 
 
 @pytest.mark.gpu

@@ -111,7 +111,8 @@ def _extra_rows(weight, emb):
     from .embedding_update import check_embedding_args, compact_rows
 
     grad_output, indices, padding_idx = emb
-    check_embedding_args(weight, grad_output, indices)
+    # a bf16 weight is a rounded one (stochastic_rounding: _check_rounding / check_low_precision say so)
+    check_embedding_args(weight, grad_output, indices, rounded=weight.dtype == torch.bfloat16)
     return compact_rows(grad_output, indices, weight.shape[0], padding_idx)
 
 
