@@ -31,9 +31,9 @@ import torch
 
 from .. import _compat
 from ..optim.rule import Rule, get_rule
-from .epilogue_codegen import TRITON_RULE_HEAD, triton_fields
-from .rule_update import elementwise_kernel, render_elementwise_source
-from .stochastic_round import TABLE_KEY, TRITON_SROUND, element_key, table_row
+from .epilogue_codegen import TRITON_RULE_HEAD
+from .rule_update import elementwise_kernel, render_elementwise_source, render_rounded_elementwise_source
+from .stochastic_round import TABLE_KEY, element_key, table_row
 from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
@@ -122,17 +122,9 @@ def {module}_kernel(P, G, POS, {state_ptrs}{kernel_scalar_params}N, K,
 {state_stores}
 '''
 
-# A bf16 W rounded stochastically (states bf16 or fp32): values in fp32, W stored through the spec's bits, states
-# rounded to nearest (_cast_to: torch's cast); the element key is the scalar row's word after the rule's scalars
-# (stochastic_round.table_row) -- host launches and a CUDA graph's replays alike, one kernel
-_ROUNDING_HELPERS = TRITON_SROUND + '''
-
-@triton.jit
-def _cast_to(x, dtype: tl.constexpr):
-    # torch's cast: round to nearest, ties to even
-{cast_body}
-
-'''
+# A bf16 W rounded stochastically (states bf16 or fp32; rule_update.render_rounded_elementwise_source): values in fp32,
+# W stored through the spec's bits, states rounded to nearest; the element key is the scalar row's word after the
+# rule's scalars (stochastic_round.table_row) -- host launches and a CUDA graph's replays alike, one kernel
 
 # rows x columns per program: 1024 elements per 4 warps, rule_update_'s block, which measured best there (2048: 1-8 %
 # slower; benchmarks/bench_rule_update.py) -- not measured for this kernel. sm_90 compile (triton 3.6): AdamW 64
@@ -143,27 +135,14 @@ BR, BK = 4, 256
 def render_embedding_update_source(ep, template: str = _TEMPLATE, module: str = "embedding_update",
                                    rounded: bool = False) -> str:
     """The kernel module; ``rounded``: for a bf16 weight rounded stochastically (its key read from the row)."""
-    from .wgrad_update_triton import _CAST_BODY
-
     if not rounded:     # fp32 W and states: the shared element-wise rendering, W stored as the rule left it
         plain = {"{rounding_helpers}": "", "{jit}": "@triton.jit", "{to_f32}": "",
                  "{w_store}": "{new_p}"}
         for field, text in plain.items():
             template = template.replace(field, text)
         return render_elementwise_source(ep, template, module)
-    states = ep.tensor_inputs[2:]
-    ptrs = [s.upper() for s in states]
-    new_vars = [f"new_{v}" for v in ("p", *states)]
-    return template.format(
-        **triton_fields(ep, True, "SCAL", key=True), module=module,
-        rounding_helpers=_ROUNDING_HELPERS.format(cast_body=_CAST_BODY[ep.target]),
-        jit="@triton.jit", to_f32=".to(tl.float32)",
-        w_store=f"_cast_to(_sround_bits({new_vars[0]}, off, EKEY), tl.bfloat16)",
-        state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
-                              for s, p in zip(states, ptrs)),
-        state_stores="\n".join(f"    tl.store({p} + off, _cast_to({v}, {p}.dtype.element_ty), mask=mask)"
-                               for p, v in zip(ptrs, new_vars[1:])),
-    )
+    return render_rounded_elementwise_source(ep, template, module, jit="@triton.jit", to_f32=".to(tl.float32)",
+                                             w_store="_cast_to(_sround_bits(new_p, off, EKEY), tl.bfloat16)")
 
 
 def _kernel_for(rule: Rule, target: str, rounded: bool = False):

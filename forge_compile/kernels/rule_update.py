@@ -32,7 +32,9 @@ from .wgrad_update import triton_on_cpu
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_rule_update", "render_rule_update_source", "render_elementwise_source", "elementwise_kernel", "BLOCK"]
+__all__ = ["launch_rule_update", "render_rule_update_source", "render_rule_update_rounded_source",
+           "render_elementwise_source", "render_rounded_elementwise_source", "elementwise_kernel", "ROUNDING_HELPERS",
+           "BLOCK"]
 
 _TEMPLATE = TRITON_RULE_HEAD + '''
 
@@ -49,16 +51,19 @@ def rule_update_kernel(P, G, {state_ptrs}{kernel_scalar_params}NUMEL, BLOCK: tl.
 {state_stores}
 '''
 
-# A bf16 parameter rounded stochastically: values in fp32 from the loads, the parameter stored through the spec's
-# bits, states rounded to nearest (_cast_to: torch's cast); EKEY from the row (scalar_fields(key=True))
-_ROUNDED_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + '''
+# A bf16 parameter rounded stochastically (render_rounded_elementwise_source): the spec's bits and torch's cast
+# (_cast_to: round to nearest even) for the states -- this kernel's and embedding_update's rounded one's helpers
+ROUNDING_HELPERS = TRITON_SROUND + '''
 
 @triton.jit
 def _cast_to(x, dtype: tl.constexpr):
     # torch's cast: round to nearest, ties to even
 {cast_body}
 
+'''
 
+# values in fp32 from the loads, the parameter stored through the spec's bits, EKEY from the row
+_ROUNDED_TEMPLATE = TRITON_RULE_HEAD + '''{rounding_helpers}
 @triton.jit
 def rule_update_rounded_kernel(P, G, {state_ptrs}{kernel_scalar_params}NUMEL, BLOCK: tl.constexpr):
 {scalar_loads}    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -109,19 +114,27 @@ def elementwise_kernel(rule: Rule, target: str, template: str, module: str, rend
     return hit
 
 
-def render_rule_update_rounded_source(ep, template: str = _ROUNDED_TEMPLATE, module: str = "rule_update_rounded"):
+def render_rounded_elementwise_source(ep, template: str, module: str, **fields) -> str:
+    """As render_elementwise_source for a bf16 parameter rounded stochastically: ``{rounding_helpers}``
+    (ROUNDING_HELPERS), the key from the row (scalar_fields(key=True)), the tensor states loaded into fp32 and stored
+    through torch's cast to their dtype; ``fields``: the template's own."""
     from .wgrad_update_triton import _CAST_BODY
 
     states = ep.tensor_inputs[2:]
     ptrs = [s.upper() for s in states]
     new_vars = [f"new_{v}" for v in ("p", *states)]
     return template.format(
-        **triton_fields(ep, True, "SCAL", key=True), module=module, cast_body=_CAST_BODY[ep.target],
+        **triton_fields(ep, True, "SCAL", key=True), module=module,
+        rounding_helpers=ROUNDING_HELPERS.format(cast_body=_CAST_BODY[ep.target]),
         state_loads="\n".join(f"    {s} = tl.load({p} + off, mask=mask, other=0.0).to(tl.float32)"
                               for s, p in zip(states, ptrs)),
         state_stores="\n".join(f"    tl.store({p} + off, _cast_to({v}, {p}.dtype.element_ty), mask=mask)"
                                for p, v in zip(ptrs, new_vars[1:])),
-    )
+        **fields)
+
+
+def render_rule_update_rounded_source(ep, template: str = _ROUNDED_TEMPLATE, module: str = "rule_update_rounded"):
+    return render_rounded_elementwise_source(ep, template, module)
 
 
 def _kernel_for(rule: Rule, target: str, rounded: bool = False):
