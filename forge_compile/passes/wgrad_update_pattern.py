@@ -177,9 +177,9 @@ def _is_l2_norm(node: fx.Node, of: fx.Node, low: bool = False) -> bool:
             and v.dtype in ((torch.float32, torch.bfloat16) if low else (torch.float32,)))
 
 
-def _is_grad_scale(node: fx.Node, low: bool = False) -> bool:
-    """``node`` = ``g * factor`` with a 0-dim fp32 factor node (in place or not; clip_grad_norm_'s
-    ``g.mul_(coef)``); with ``low`` g and the factor may be bf16 (a rounded weight: the update scales its fp32 dW by
+def _is_grad_scale(node: fx.Node, dtypes: tuple = (torch.float32,)) -> bool:
+    """``node`` = ``g * factor`` with a 0-dim factor node, g and the factor of ``dtypes`` (in place or not;
+    clip_grad_norm_'s ``g.mul_(coef)``): fp32, or also bf16 for a rounded weight (the update scales its fp32 dW by
     the factor, converted to fp32 exactly)."""
     if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
         return False
@@ -187,20 +187,13 @@ def _is_grad_scale(node: fx.Node, low: bool = False) -> bool:
     if not isinstance(f, fx.Node) or f is g:
         return False
     fv, gv = _meta(f), _meta(g)
-    ok = (torch.float32, torch.bfloat16) if low else (torch.float32,)
-    return fv is not None and gv is not None and fv.dim() == 0 and fv.dtype in ok and gv.dtype in ok
+    return fv is not None and gv is not None and fv.dim() == 0 and fv.dtype in dtypes and gv.dtype in dtypes
 
 
 def _is_low_precision_grad_scale(node: fx.Node) -> bool:
     """``node`` = ``g * factor`` with a 0-dim factor where ``g`` or the factor is bf16/fp16: clip_grad_norm_ over the
     bf16 gradients of bf16 parameters (stochastic_rounding), whose norms and coefficient torch computes in bf16."""
-    if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul_.Tensor) or len(node.args) != 2:
-        return False
-    g, f = node.args
-    fv, gv = _meta(f), _meta(g)
-    return (isinstance(f, fx.Node) and f is not g and fv is not None and gv is not None and fv.dim() == 0
-            and (fv.dtype, gv.dtype) != (torch.float32, torch.float32)
-            and {fv.dtype, gv.dtype} <= {torch.float32, torch.bfloat16, torch.float16})
+    return _is_grad_scale(node, (torch.float32, torch.bfloat16, torch.float16)) and not _is_grad_scale(node)
 
 
 def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool, low: bool = False):
@@ -247,7 +240,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool, low: bool =
             chain += path
             consumer, cur = path[-1], path[-1].args[0]
             continue
-        if _is_grad_scale(cur, low):
+        if _is_grad_scale(cur, (torch.float32, torch.bfloat16) if low else (torch.float32,)):
             if scale_mul is not None:
                 return "gradient is scaled twice before the update"
             scale_mul = cur
