@@ -411,12 +411,12 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries, table=None, rounding=None, seed=None):
+    def __init__(self, opt, entries, table=None, seed=None, key_input=False):
         self.opt = opt
-        # stochastic rounding: (seed, the 0-dim int64 key tensor appended last, filled before each backward); with a
-        # table the rounded rows hold their element keys instead (table_rounds: row -> salt, ``seed``)
-        self.rounding = rounding
+        # stochastic rounding (``seed``): with ``key_input`` a 0-dim int64 key tensor appended last, filled before
+        # each backward; with a table the rounded rows hold their element keys instead (table_rounds: row -> salt)
         self.seed = seed
+        self.key = torch.zeros((), dtype=torch.int64) if key_input else None
         self.table_rounds = {}
         self.entries = [_Entry(pl, with_states) for pl, with_states in entries]
         self._items = [(e.plan, e) for e in self.entries if e.with_states]
@@ -448,10 +448,9 @@ class _Extras:
                                     + ((element_key(key, rounds[r]),) if r in rounds else ())
                                     for r, e in enumerate(self.table_rows)])
             out.append(self.table)
-        if self.rounding is not None:
-            seed, key = self.rounding
-            key.fill_(round_key(seed, _tracker(self.opt).steps))
-            out.append(key)
+        if self.key is not None:
+            self.key.fill_(round_key(self.seed, _tracker(self.opt).steps))
+            out.append(self.key)
         return out
 
 
@@ -758,8 +757,7 @@ class _Compilation:
 
             extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
             extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table,
-                             None if key_ph is None else (self.sr_seed, torch.zeros((), dtype=torch.int64)),
-                             self.sr_seed)
+                             self.sr_seed, key_input=key_ph is not None)
             if table is not None:
                 # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
                 # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
