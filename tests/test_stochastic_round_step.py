@@ -24,28 +24,53 @@ def _adamw_hparams(opt):
     return [torch.tensor(v, dtype=torch.float64) for v in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])]
 
 
-def _step(model, opt, loss_fn):
-    # a train step on loss_fn(fp32 output, target)
+def _step(model, opt, loss_fn, max_norm=None):
+    # a train step on loss_fn(fp32 output, target); ``max_norm``: clip_grad_norm_ before the update
     def step(x, y):
         loss = loss_fn(model(x).float(), y)
         loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         return loss
     return step
 
 
-def _linear_step(model, opt):
+def _linear_step(model, opt, max_norm=None):
     # loss = sum(c * y): dY = c (as bf16) exactly, so the step's fp32 dW is dY^T X computed in fp32
-    return _step(model, opt, lambda y, c: (y * c).sum())
+    return _step(model, opt, lambda y, c: (y * c).sum(), max_norm)
 
 
 def _mse_step(model, opt):
     return _step(model, opt, F.mse_loss)
 
 
-def _lm_step(model, opt):
-    return _step(model, opt, lm_loss)
+def _lm_step(model, opt, max_norm=None):
+    return _step(model, opt, lm_loss, max_norm)
+
+
+def _sgdm(params):
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _train_lm(device, make_opt, steps, rows=4, tied=False, max_norm=None, **options):
+    # TinyLM in bf16 (seed 0) trained by compile_train_step(**options) on ``steps`` token batches [rows, 8] drawn from
+    # seed 1, clip_grad_norm_(max_norm) if given: (model, losses, last report)
+    torch.manual_seed(0)
+    model = TinyLM(tied=tied).to(device, torch.bfloat16)
+    opt = make_opt(model.parameters())
+    step = forge.compile_train_step(_lm_step(model, opt, max_norm), **options)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 40, (rows, 8), generator=g).to(device)
+        losses.append(step(x, torch.roll(x, -1, 1)).item())
+    return model, losses, step.last_report
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
@@ -204,20 +229,8 @@ def test_same_seed_same_weights_other_seed_other_weights():
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_and_unfused_rounding_agree_in_distribution(device):
     # fuse=False rounds the same spec from torch's bf16 gradient instead of the fp32 dW: close, not equal
-    def run(fuse):
-        torch.manual_seed(0)
-        model = TinyLM().to(device, torch.bfloat16)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=True, fuse=fuse)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(4):
-            x = torch.randint(0, 40, (4, 8), generator=g).to(device)
-            losses.append(step(x, torch.roll(x, -1, 1)).item())
-        return model, losses
-
-    m1, l1 = run(True)
-    m2, l2 = run(False)
+    m1, l1, _ = _train_lm(device, _sgdm, 4, stochastic_rounding=True, fuse=True)
+    m2, l2, _ = _train_lm(device, _sgdm, 4, stochastic_rounding=True, fuse=False)
     assert l1[0] == l2[0]
     assert abs(l1[-1] - l2[-1]) < 0.05 * abs(l2[0] - l2[-1]) + 1e-2, (l1, l2)
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
@@ -340,24 +353,12 @@ def test_cuda_graphed_lm_rounds_like_the_plain_step():
     # up to rounding-boundary crossings, weights a bf16 ulp or so apart
     from forge_compile import step_graph as sg
 
-    def run(graphs):
-        torch.manual_seed(0)
-        model = TinyLM().to("cuda", torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=2, cuda_graphs=graphs)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(6):
-            x = torch.randint(0, 40, (4, 8), generator=g).cuda()
-            losses.append(step(x, torch.roll(x, -1, 1)).item())
-        return model, losses, step.last_report
-
     sg.counters.clear()
-    m1, l1, rep = run(True)
+    m1, l1, rep = _train_lm("cuda", _adamw, 6, stochastic_rounding=2, cuda_graphs=True)
     assert sg.counters.get("replays", 0) >= 3, dict(sg.counters)
     assert any("stochastically rounded updates read their step's random key" in n for n in rep.notes), rep.notes
     assert rep.row("model.emb.weight").fused
-    m2, l2, _ = run(False)
+    m2, l2, _ = _train_lm("cuda", _adamw, 6, stochastic_rounding=2, cuda_graphs=False)
     assert l1[0] == l2[0] and max(abs(a - b) for a, b in zip(l1, l2)) < 2e-2, (l1, l2)
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
@@ -385,18 +386,6 @@ def test_interpreter_backend_rounding_reads_its_key_from_the_table(interpret):
 def test_cuda_backend_graphed_rounding_is_the_spec():
     # Inductor's CUDA graphs (triton.cudagraphs: scalar_table on by default) replay the rounding backward
     _check_backend_table("cuda", **{"triton.cudagraphs": True})
-
-
-def _clip_step(model, opt, max_norm):
-    def step(x, c):
-        loss = (model(x).float() * c).sum()
-        loss.backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return step
 
 
 def _bf16_coefficients(norms, max_norm):
@@ -431,7 +420,7 @@ def test_clip_grad_norm_of_bf16_gradients_fused_with_rounding():
     def run(max_norm):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        step = forge.compile_train_step(_clip_step(model, opt, max_norm), stochastic_rounding=4)
+        step = forge.compile_train_step(_linear_step(model, opt, max_norm), stochastic_rounding=4)
         for x, c in batches:
             step(x, c)
         return model, step.last_report
@@ -443,7 +432,7 @@ def test_clip_grad_norm_of_bf16_gradients_fused_with_rounding():
     # the spec, call by call: the step's weights must be the spec's for one of the coefficient candidates
     model = copy.deepcopy(base)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = forge.compile_train_step(_clip_step(model, opt, 3.0), stochastic_rounding=4)
+    step = forge.compile_train_step(_linear_step(model, opt, 3.0), stochastic_rounding=4)
     rule = rules.sgd_rule()
     hp = [torch.tensor(0.05 if h == "lr" else 0.0, dtype=torch.float64) for h in rule.hparams]
     w = [p.detach().clone() for p in base.parameters()]
@@ -478,7 +467,7 @@ def test_clip_grad_norm_of_bf16_gradients_unrounded_weight_not_fused_and_said(mo
     monkeypatch.setattr(pat, "_low_precision_clip_allowed", lambda apply: False)
     model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = forge.compile_train_step(_clip_step(model, opt, 1.0), stochastic_rounding=4)
+    step = forge.compile_train_step(_linear_step(model, opt, 1.0), stochastic_rounding=4)
     rep = step.explain(torch.randn(4, 16).to(torch.bfloat16), torch.randn(4, 8))
     for d in rep.rows:
         assert not d.fused and "clip_grad_norm_ over bf16 gradients" in d.reason, d
@@ -491,32 +480,14 @@ def test_interpreter_replayed_clip_with_rounding(interpret):
     from forge_compile import step_graph as sg
     from models import rerun_recorder
 
-    def run(graphs):
-        torch.manual_seed(0)
-        model = TinyLM().to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def step(x, y):
-            loss = lm_loss(model(x).float(), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            return loss
-        s = forge.compile_train_step(step, stochastic_rounding=3, cuda_graphs=graphs)
-        g = torch.Generator().manual_seed(1)
-        losses = [s(x, torch.roll(x, -1, 1)).item() for x in [torch.randint(0, 40, (2, 8), generator=g)
-                                                             for _ in range(5)]]
-        return model, losses, s.last_report
-
     sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cpu", rerun_recorder
     sg.counters.clear()
     try:
-        m1, l1, rep = run(True)
+        m1, l1, rep = _train_lm("cpu", _adamw, 5, rows=2, max_norm=0.5, stochastic_rounding=3, cuda_graphs=True)
         counts = dict(sg.counters)
     finally:
         sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
-    m2, l2, _ = run(False)
+    m2, l2, _ = _train_lm("cpu", _adamw, 5, rows=2, max_norm=0.5, stochastic_rounding=3, cuda_graphs=False)
     assert counts.get("replays") == 3, counts
     assert rep.row("model.block.qkv.weight").fused and rep.row("model.emb.weight").fused, rep
     assert any("fused updates read their gradient factor" in n for n in rep.notes), rep.notes
@@ -538,24 +509,8 @@ def test_cuda_clip_with_rounding_behind_its_gate(graphs, monkeypatch):
             monkeypatch.setenv(pat.SR_CLIP_ENV, "1")
         else:
             monkeypatch.delenv(pat.SR_CLIP_ENV, raising=False)
-        torch.manual_seed(0)
-        model = TinyLM().to("cuda", torch.bfloat16)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)    # not AdamW: see the tied test
-
-        def step(x, y):
-            loss = lm_loss(model(x).float(), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            return loss
-        s = forge.compile_train_step(step, stochastic_rounding=2, cuda_graphs=graphs)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(5):
-            x = torch.randint(0, 40, (4, 8), generator=g).cuda()
-            losses.append(s(x, torch.roll(x, -1, 1)).item())
-        return model, losses, s.last_report
+        # SGD-momentum, not AdamW: see test_tied_lm_rounds_its_tied_weight_fused
+        return _train_lm("cuda", _sgdm, 5, max_norm=0.5, stochastic_rounding=2, cuda_graphs=graphs)
 
     m0, l0, rep0 = run(False)
     qkv = "model.block.qkv.weight"
@@ -571,19 +526,10 @@ def test_cuda_clip_with_rounding_behind_its_gate(graphs, monkeypatch):
 def test_tied_lm_rounds_its_tied_weight_fused(device):
     # a tied embedding / output weight in bf16 (forge::wgrad_update_rounded_ with the embedding's rows): the step
     # raised before stop 39 (the rows' check wanted an fp32 weight); now fused, and close to the unfused rounding
+    # SGD-momentum, as test_fused_and_unfused_rounding_agree_in_distribution: AdamW's early steps are sign-like, so an
+    # element whose tiny gradient differs in sign between the fp32 dW and the bf16 gradient moves 2 lr apart
     def run(fuse):
-        torch.manual_seed(0)
-        model = TinyLM(tied=True).to(device, torch.bfloat16)
-        # SGD-momentum, as test_fused_and_unfused_rounding_agree_in_distribution: AdamW's early steps are sign-like,
-        # so an element whose tiny gradient differs in sign between the fp32 dW and the bf16 gradient moves 2 lr apart
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        step = forge.compile_train_step(_lm_step(model, opt), stochastic_rounding=True, fuse=fuse)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(4):
-            x = torch.randint(0, 40, (4, 8), generator=g).to(device)
-            losses.append(step(x, torch.roll(x, -1, 1)).item())
-        return model, losses, step.last_report
+        return _train_lm(device, _sgdm, 4, tied=True, stochastic_rounding=True, fuse=fuse)
 
     m1, l1, rep = run(True)
     m2, l2, _ = run(False)
