@@ -287,13 +287,33 @@ def is_rng_state_placeholder(node) -> bool:
     return isinstance(node.meta.get("val"), torch.Generator) or node.name.startswith("fwd_rng_state_")
 
 
+_DTENSOR_TYPE: list = []
+
+
 def is_dtensor(t) -> bool:
-    """A torch.distributed DTensor (FSDP2's sharded parameters, tensor parallelism)."""
-    if not torch.distributed.is_available():
-        return False
+    """A torch.distributed DTensor (FSDP2's sharded parameters, tensor parallelism). Called per step input by
+    compile_train_step: the class is looked up once."""
+    if not _DTENSOR_TYPE:
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+            _DTENSOR_TYPE.append(DTensor)
+        else:
+            _DTENSOR_TYPE.append(())
+    return isinstance(t, _DTENSOR_TYPE[0])
+
+
+def dtensor_spec(t):
+    """A DTensor's spec (mesh, placements, global shape and stride): what a traced step needs to wrap its local
+    tensor again (tensor_parallel.py)."""
+    return t._spec
+
+
+def dtensor_from_local(local, spec):
+    """A DTensor whose local tensor IS ``local`` (``DTensor.from_local`` wraps a ``view_as`` of it: a traced update
+    of the parameter would then write a view, not the graph's input)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return DTensor(local, spec, requires_grad=False)
 
 
 def active_ddp_module():

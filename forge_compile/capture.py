@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _compat, data_parallel
+from . import _compat, data_parallel, tensor_parallel
 from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .optim.rule import decompose_apply_rule, grad_scaled_rule
@@ -250,16 +250,19 @@ class _Compiled:
     casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
     grads_in: tuple = ()     # parameter indices whose incoming .grad the step reads (its last inputs)
     grads_cleared: tuple = ()    # parameter indices whose incoming .grad the step drops (zero_grad() first)
+    tp_specs: tuple | None = None    # DTensor inputs: per input its spec (the graph takes local tensors)
+    out_specs: tuple | None = None   # DTensor outputs: per output its spec (the graph returns local tensors)
 
 
 def _tensor_meta(t):
-    # torch.Size, the stride tuple and torch.device hash and compare by value: no copies, no str()
-    return ("T", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    # torch.Size, the stride tuple and torch.device hash and compare by value: no copies, no str(); the type tells
+    # a DTensor (tensor_parallel.py) from a plain tensor of its global shape
+    return ("T", type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
 def _metas(tensors) -> tuple:
     """``_tensor_meta`` of each (less the tag), inline: a few hundred tensors at every step."""
-    return tuple([(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
+    return tuple([(type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors])
 
 
 @dataclasses.dataclass
@@ -392,10 +395,13 @@ class CompiledTrainStep:
             return []
         return [self._round_key]
 
-    def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs, grads_in=()):
+    def _trace(self, modules, optimizers, params, buffers, plans, states, hparams, args, kwargs, grads_in=(),
+               tp_specs=None):
         """``grads_in``: positions (in ``params``) of the parameters whose ``.grad`` is set when the step is called;
         those gradients are the traced step's last inputs, so a step that zeroes gradients before its backward
-        (``opt.zero_grad()`` first, the other common idiom) or one that accumulates into them traces as it runs."""
+        (``opt.zero_grad()`` first, the other common idiom) or one that accumulates into them traces as it runs.
+        ``tp_specs``: the inputs' DTensor specs (tensor_parallel.py): the traced step takes their local tensors and
+        wraps them again (states stay local: only the rule reads them); DTensor outputs leave as local tensors."""
         leaves, in_spec = pytree.tree_flatten((args, kwargs))
         n_g = len(grads_in)
         t_idx = [i for i, l in enumerate(leaves) if isinstance(l, torch.Tensor)]
@@ -409,6 +415,9 @@ class CompiledTrainStep:
         ddps = list(self._ddps)
 
         def step(*flat):
+            if tp_specs is not None:
+                flat = [x if n_p + n_b <= i < n_p + n_b + n_s + n_h + n_r else tensor_parallel.wrap(x, sp)
+                        for i, (x, sp) in enumerate(zip(flat, tp_specs))]
             tp = list(flat[:n_p]); tb = list(flat[n_p:n_p + n_b])
             ts_flat = flat[n_p + n_b:n_p + n_b + n_s]; th_flat = flat[n_p + n_b + n_s:n_p + n_b + n_s + n_h]
             key_t = flat[n_p + n_b + n_s + n_h] if n_r else None
@@ -444,7 +453,9 @@ class CompiledTrainStep:
                                 f"forge: a {t.grad.layout} gradient (e.g. nn.Embedding(sparse=True)) is not supported; "
                                 "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
                                 "without ever making its dense gradient")
-                        if key_t is not None and t.dtype == torch.bfloat16:
+                        if tp_specs is not None and _compat.is_dtensor(t):
+                            torch.ops.forge.apply_rule_(*tensor_parallel.rule_inputs(t, t.grad), s, h, pl.rule.name)
+                        elif key_t is not None and t.dtype == torch.bfloat16:
                             # stochastic rounding: the parameter's index in the step salts its bits
                             torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name, key_t, salt)
                         else:
@@ -457,7 +468,9 @@ class CompiledTrainStep:
                         if t is None or t.grad is None:
                             continue
                         # A fresh zeros tensor, not grad.zero_(): the old gradient keeps no consumer.
-                        t.grad = None if set_to_none else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+                        t.grad = None if set_to_none else (
+                            torch.zeros_like(t) if _compat.is_dtensor(t)
+                            else torch.zeros(t.shape, dtype=t.dtype, device=t.device))
 
             l2 = list(leaves)
             for k, i_ in enumerate(t_idx):
@@ -488,14 +501,23 @@ class CompiledTrainStep:
             out_info["grad_params"] = [r for r, _ in grads]
             # incoming gradients the step drops (zero_grad() first) and never sets again: None after it, as in eager
             out_info["grads_cleared"] = tuple(i for i in grads_in if traced[id(params[i])].grad is None)
-            return tuple(out_leaves) + tuple(g.detach() for _, g in grads)
+            outs = tuple(out_leaves) + tuple(g.detach() for _, g in grads)
+            out_info["out_specs"] = out_specs = tensor_parallel.specs_of(outs)
+            return outs if out_specs is None else tuple(tensor_parallel.to_local(outs, out_specs))
 
         return step, t_idx, leaves, out_info
 
     def _build(self, key, modules, optimizers, params, pnames, buffers, plans, states, hparams, flat,
                args, kwargs, grads_in=()):
+        tp_specs = tensor_parallel.specs_of(flat)
+        if tp_specs is not None:
+            why = tensor_parallel.unsupported(self._sr_seed is not None, self._ddps, self._cuda_graphs,
+                                              self._cast_weights)
+            if why:
+                raise ForgeCaptureError(f"forge: compile_train_step does not support {why} yet. Nothing was changed.")
+            flat = tensor_parallel.to_local(flat, tp_specs)
         step, t_idx, leaves, out_info = self._trace(modules, optimizers, params, buffers, plans, states,
-                                                    hparams, args, kwargs, grads_in)
+                                                    hparams, args, kwargs, grads_in, tp_specs)
         try:
             with _no_scheduler_steps(), _no_hparam_writes(optimizers), _compat.inline_compiled_functions():
                 gm = _compat.make_fx(step, decomposition_table=_PER_TENSOR_FOREACH, tracing_mode="fake")(*flat)
@@ -520,6 +542,9 @@ class CompiledTrainStep:
                                           after_copies=self._recompute_weight_copies or self._cast_weights,
                                           embeddings=True)
         report = FusionReport(decisions, graph="train_step")
+        if tp_specs is not None and (n_tp := sum(sp is not None for sp in tp_specs[:len(params)])):
+            report.notes.append(f"tensor parallel: {n_tp} parameters are DTensors; the step's graph runs on each rank's "
+                                "local shards (the shapes above), their updates too")
         if note := fp32_activation_note(gm):
             report.notes.append(note)
         out_info["casts"] = ()
@@ -751,6 +776,8 @@ class CompiledTrainStep:
         self.last_report = entry.report
         arg_tensors = [l for l in leaves if isinstance(l, torch.Tensor)] + [walk.params[i].grad for i in entry.grads_in]
         flat = pre + (weight_casts(walk.params, entry.casts) if entry.casts else []) + arg_tensors
+        if entry.tp_specs is not None:
+            flat = tensor_parallel.to_local(flat, entry.tp_specs)
         key = None
         if self._sr_seed is not None:
             # a new key per call (stochastic_round.round_key): the same on every data-parallel rank
@@ -770,7 +797,7 @@ class CompiledTrainStep:
         flush_step_mirrors()
         if entry.casts:
             note_weight_casts_current(walk.params, entry.casts)
-        outs = list(outs)
+        outs = list(outs) if entry.out_specs is None else tensor_parallel.wrap_all(outs, entry.out_specs)
         for i in entry.grads_cleared:
             walk.params[i].grad = None
         for p, g in zip(entry.grad_params, outs[entry.n_user_out:]):
@@ -791,6 +818,9 @@ class CompiledTrainStep:
         # incoming gradients the step reads after those
         arg_tensors = arg_tensors + [walk.params[i].grad for i in out_info["grads_in"]]
         flat = pre + weight_casts(walk.params, out_info["casts"]) + arg_tensors
+        tp_specs = tensor_parallel.specs_of(flat)
+        if tp_specs is not None:
+            flat = tensor_parallel.to_local(flat, tp_specs)
         table = None
         if out_info["table"] is None:
             gm = _decompose_remaining_updates(gm, flat)
@@ -812,7 +842,8 @@ class CompiledTrainStep:
         report.notes.extend(_clone_notes())
         entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
                           casts=out_info["casts"], grads_in=out_info["grads_in"],
-                          grads_cleared=out_info["grads_cleared"])
+                          grads_cleared=out_info["grads_cleared"], tp_specs=tp_specs,
+                          out_specs=out_info["out_specs"])
         if table is not None:
             n_static = len(flat) - len(arg_tensors)
             entry.graph = StepGraph(compiled, range(n_static, len(flat)))

@@ -1,0 +1,73 @@
+"""compile_train_step with tensor (and sequence) parallel parameters: torch.distributed DTensors, desugared.
+
+A model parallelised with ``parallelize_module`` (ColwiseParallel, RowwiseParallel, SequenceParallel, ...) holds
+DTensor parameters, and torch.optim keeps DTensor states for them. make_fx cannot take a DTensor as a graph input (it
+traced the DTensor's local tensor as a constant), so the step's graph takes each DTensor's LOCAL tensor as its input
+and, inside the traced step, wraps it again as a DTensor with the real one's spec (mesh, placements, global shape).
+The user's model then runs on DTensors as in eager and DTensor's dispatch traces local ops and functional
+collectives (all-gather, reduce-scatter, all-reduce), which Inductor compiles as data parallel's.
+
+Why the fused update is exact there: a sharded weight's gradient on each rank is the gradient of its own shard
+(ColwiseParallel: dW_r = dY_r^T X, RowwiseParallel: dW_r = dY^T X_r; with sequence parallelism X is the all-gathered
+input the forward saved), a complete local matrix product -- the pattern pass sees a plain mm whose result only the
+rule consumes and fuses it as for a single device, on the local shard. Where autograd leaves a gradient in another
+placement than its parameter's (a replicated norm weight under sequence parallelism gets a Partial gradient), the
+traced step redistributes it to the parameter's placement first, as eager DTensor arithmetic in torch.optim would, so
+the rule always reads the complete gradient of the local elements. The rule itself is element-wise on the local
+shard, exactly what torch.optim's foreach ops do on a DTensor.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _compat
+
+__all__ = ["specs_of", "to_local", "wrap", "wrap_all", "rule_inputs", "unsupported"]
+
+
+def specs_of(tensors) -> tuple | None:
+    """Per tensor its DTensor spec (None for a plain tensor), or None when none is a DTensor: the common case costs
+    one isinstance check per tensor."""
+    specs = tuple(_compat.dtensor_spec(t) if _compat.is_dtensor(t) else None for t in tensors)
+    return specs if any(s is not None for s in specs) else None
+
+
+def to_local(tensors, specs) -> list:
+    """The compiled step's inputs: each DTensor's local tensor (the same storage, no copy)."""
+    with torch.no_grad():      # to_local() with grad enabled makes a differentiable view per call
+        return [t.to_local() if s is not None else t for t, s in zip(tensors, specs)]
+
+
+def wrap(local, spec):
+    """A DTensor on ``local`` (the traced input itself, not a view: the fused update's weight must be the graph's
+    input) with the real tensor's spec."""
+    return local if spec is None else _compat.dtensor_from_local(local, spec)
+
+
+def wrap_all(tensors, specs) -> list:
+    return list(tensors) if specs is None else [wrap(t, s) for t, s in zip(tensors, specs)]
+
+
+def rule_inputs(param, grad):
+    """(local parameter, local gradient) of a DTensor parameter for the traced optimizer rule; the gradient in the
+    parameter's placements first (a Partial one is reduced here, traced)."""
+    if grad.placements != param.placements or grad.device_mesh != param.device_mesh:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    with torch.no_grad():
+        return param.to_local(), grad.to_local()
+
+
+def unsupported(stochastic_rounding: bool, ddps, cuda_graphs: bool, cast_weights: bool) -> str | None:
+    """Why a step with DTensor inputs cannot be compiled yet, or None."""
+    if stochastic_rounding:
+        # the spec's bits are a function of the LOCAL element index: every shard would draw the same bits
+        return ("stochastic_rounding with DTensor (tensor-parallel) parameters: its random bits are drawn per local "
+                "element index, so every shard of a weight would round with the same bits")
+    if ddps:
+        return "DistributedDataParallel over DTensor (tensor-parallel) parameters"
+    if cuda_graphs:
+        # collectives captured in a CUDA graph: not run on GPUs yet
+        return "cuda_graphs=True with DTensor (tensor-parallel) parameters"
+    if cast_weights:
+        return "cast_weights_in_update=True with DTensor (tensor-parallel) parameters"
+    return None
