@@ -454,7 +454,12 @@ class CompiledTrainStep:
                                 "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
                                 "without ever making its dense gradient")
                         if tp_specs is not None and _compat.is_dtensor(t):
-                            torch.ops.forge.apply_rule_(*tensor_parallel.rule_inputs(t, t.grad), s, h, pl.rule.name)
+                            lt, lg = tensor_parallel.rule_inputs(t, t.grad)
+                            if key_t is not None and t.dtype == torch.bfloat16:
+                                torch.ops.forge.apply_rule_(lt, lg, s, h, pl.rule.name, key_t,
+                                                            tensor_parallel.round_salt(t, salt))
+                            else:
+                                torch.ops.forge.apply_rule_(lt, lg, s, h, pl.rule.name)
                         elif key_t is not None and t.dtype == torch.bfloat16:
                             # stochastic rounding: the parameter's index in the step salts its bits
                             torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name, key_t, salt)
@@ -511,8 +516,7 @@ class CompiledTrainStep:
                args, kwargs, grads_in=()):
         tp_specs = tensor_parallel.specs_of(flat)
         if tp_specs is not None:
-            why = tensor_parallel.unsupported(self._sr_seed is not None, self._ddps, self._cuda_graphs,
-                                              self._cast_weights)
+            why = tensor_parallel.unsupported(self._ddps, self._cuda_graphs, self._cast_weights)
             if why:
                 raise ForgeCaptureError(f"forge: compile_train_step does not support {why} yet. Nothing was changed.")
             flat = tensor_parallel.to_local(flat, tp_specs)

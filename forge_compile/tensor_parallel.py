@@ -22,7 +22,10 @@ import torch
 
 from . import _compat
 
-__all__ = ["specs_of", "to_local", "wrap", "wrap_all", "rule_inputs", "unsupported"]
+__all__ = ["specs_of", "to_local", "wrap", "wrap_all", "rule_inputs", "round_salt", "SHARD_SALT", "unsupported"]
+
+# stochastic rounding: a shard's salt is its parameter's salt (the index in the step) + SHARD_SALT x its shard index
+SHARD_SALT = 1 << 20
 
 
 def specs_of(tensors) -> tuple | None:
@@ -57,12 +60,22 @@ def rule_inputs(param, grad):
         return param.to_local(), grad.to_local()
 
 
-def unsupported(stochastic_rounding: bool, ddps, cuda_graphs: bool, cast_weights: bool) -> str | None:
+def round_salt(param, salt: int) -> int:
+    """The stochastic-rounding salt of this rank's shard of a DTensor parameter. The spec's bits are a function of
+    (key, salt, LOCAL element index): with the parameter's salt alone every shard of a weight would round with the
+    same bits. So the salt also counts the shard -- ``salt + SHARD_SALT * shard index``, the index of this rank's
+    coordinates over the mesh dimensions the parameter is sharded on -- and ranks holding the same shard (replicated
+    dimensions, a replicated parameter) keep one salt: their copies stay bitwise equal."""
+    mesh, index = param.device_mesh, 0
+    coord = mesh.get_coordinate()
+    for d, placement in enumerate(param.placements):
+        if placement.is_shard():
+            index = index * mesh.size(d) + coord[d]
+    return salt + SHARD_SALT * index
+
+
+def unsupported(ddps, cuda_graphs: bool, cast_weights: bool) -> str | None:
     """Why a step with DTensor inputs cannot be compiled yet, or None."""
-    if stochastic_rounding:
-        # the spec's bits are a function of the LOCAL element index: every shard would draw the same bits
-        return ("stochastic_rounding with DTensor (tensor-parallel) parameters: its random bits are drawn per local "
-                "element index, so every shard of a weight would round with the same bits")
     if ddps:
         return "DistributedDataParallel over DTensor (tensor-parallel) parameters"
     if cuda_graphs:
