@@ -516,7 +516,7 @@ class CompiledTrainStep:
                args, kwargs, grads_in=()):
         tp_specs = tensor_parallel.specs_of(flat)
         if tp_specs is not None:
-            why = tensor_parallel.unsupported(self._ddps, self._cuda_graphs, self._cast_weights)
+            why = tensor_parallel.unsupported(self._ddps, self._cast_weights)
             if why:
                 raise ForgeCaptureError(f"forge: compile_train_step does not support {why} yet. Nothing was changed.")
             flat = tensor_parallel.to_local(flat, tp_specs)

@@ -74,13 +74,10 @@ def round_salt(param, salt: int) -> int:
     return salt + SHARD_SALT * index
 
 
-def unsupported(ddps, cuda_graphs: bool, cast_weights: bool) -> str | None:
+def unsupported(ddps, cast_weights: bool) -> str | None:
     """Why a step with DTensor inputs cannot be compiled yet, or None."""
     if ddps:
         return "DistributedDataParallel over DTensor (tensor-parallel) parameters"
-    if cuda_graphs:
-        # collectives captured in a CUDA graph: not run on GPUs yet
-        return "cuda_graphs=True with DTensor (tensor-parallel) parameters"
     if cast_weights:
         return "cast_weights_in_update=True with DTensor (tensor-parallel) parameters"
     return None
