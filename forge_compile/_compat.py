@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 
 import torch
 
@@ -136,6 +137,42 @@ def inductor_output_code(fn, *args, **kwargs):
     with config.patch(fx_graph_cache=False), mock.patch.object(GraphLowering, "save_output_code", codes.append):
         out = fn(*args, **kwargs)
     return out, codes
+
+
+_COLLECTIVE_OUT = re.compile(r"^\s*(buf\d+) = torch\.ops\._c10d_functional\.\w+\.default\(")
+_COLLECTIVE_INPLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.\w+_\.default\((buf\d+)\b")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+)\b")
+_BUF = re.compile(r"\bbuf\d+\b")
+
+
+def collective_reads_before_wait(code: str) -> list:
+    """The lines of an Inductor Python wrapper ``code`` that hand a functional collective's buffer to a kernel
+    before the collective's ``wait_tensor``: each such kernel may read it before the collective wrote it (or write
+    it while the collective still reads it). Inductor's scheduler produced one on CPU (a residual add of a
+    reduce-scatter's output fused into a kernel placed before the wait: sequence parallel, activation checkpointing,
+    Adam updates in the same graph; benchmarks/NOTES_kernel.md, stop 40). Reads Inductor's generated text: a
+    wrapper written otherwise (cpp_wrapper, another torch) yields no lines."""
+    pending: dict = {}      # buffer (or an alias of it) -> the collective's buffer
+    found = []
+    for line in code.splitlines():
+        stripped = line.strip()
+        if m := _WAIT.search(line):
+            root = pending.get(m.group(1), m.group(1))
+            pending = {b: r for b, r in pending.items() if r != root}
+            continue
+        if m := _COLLECTIVE_OUT.match(line) or _COLLECTIVE_INPLACE.match(line):
+            pending[m.group(1)] = m.group(1)
+            continue
+        if not pending or stripped.startswith(("#", "assert_", "del ")):
+            continue
+        if (m := _ALIAS.match(line)) and m.group(2) in pending:
+            pending[m.group(1)] = pending[m.group(2)]
+            continue
+        used = [b for b in _BUF.findall(line) if b in pending]
+        if used:
+            found.append(f"{stripped[:120]} (reads {pending[used[0]]} before its wait_tensor)")
+    return found
 
 
 def forge_op_schemas() -> str:

@@ -842,7 +842,21 @@ class CompiledTrainStep:
             log.warning("forge: %s", report.notes[-1])
             counters["cpp_wrapper_declined"] += 1
         with _compat.inductor_config_patch(options), _compat.inductor_config_for_forge(free):
-            compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
+            if _has_collectives(gm):
+                # Inductor has scheduled a kernel that reads a collective's output before its wait (stop 40): the
+                # generated wrapper is checked, so that such a step stops here instead of training on stale data
+                compiled, codes = _compat.inductor_output_code(
+                    _compat.compile_fx, gm, flat if table is None else flat + [table])
+                if hazards := [h for code in codes for h in _compat.collective_reads_before_wait(code)]:
+                    counters["collective_hazards"] += 1
+                    raise ForgeCaptureError(
+                        "forge: Inductor compiled this step with a kernel that reads a collective's result before "
+                        f"waiting for it ({hazards[0]}; {len(hazards)} such kernels): it would train on stale data. "
+                        "Nothing was changed. This Inductor scheduling bug was seen on CPU over gloo with sequence "
+                        "parallelism, activation checkpointing and unfused Adam updates in one step; fusing the "
+                        "weights (fuse=True) or another optimizer avoided it there.")
+            else:
+                compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
         report.notes.extend(_clone_notes())
         entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
                           casts=out_info["casts"], grads_in=out_info["grads_in"],
@@ -894,6 +908,11 @@ class CompiledTrainStep:
 # through ``.data`` moves neither (``.data`` has its own version counter, same storage): such code must not be mixed
 # with the option.
 _WEIGHT_CASTS = WeakIdKeyDictionary()
+
+
+def _has_collectives(gm) -> bool:
+    """The step's graph issues functional collectives (data or tensor parallelism)."""
+    return any(getattr(n.target, "namespace", None) == "_c10d_functional" for n in gm.graph.nodes)
 
 
 def weight_casts(params, casts) -> list:

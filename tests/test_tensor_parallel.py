@@ -206,10 +206,24 @@ def scenarios(rank, world, device, which="main"):
     run("tp_then_eager", steps=4, eager_after=2)
     run("tp_zero_first", zero_first=True)
     # activation checkpointing (the layers' collectives recomputed in the backward). Not against the unfused
-    # compiled step: on CPU over gloo, Inductor's compile of this graph with every update decomposed (fuse=False)
-    # gave wrong results that changed from run to run (the same graph run by torch.fx, or on one rank: right) --
-    # benchmarks/NOTES_kernel.md, stop 40
+    # compiled step: Inductor (torch 2.13, CPU) compiles that one with a kernel reading a reduce-scatter's output
+    # before its wait -- wrong results, different from run to run -- which forge now refuses (below)
     run("sp_checkpoint", sequence_parallel=True, checkpoint=True, unfused=False)
+    torch.manual_seed(0)
+    m = parallelize(LM(checkpoint=True).to(device), mesh, sequence_parallel=True)
+    opt = adamw(m.parameters())
+    ref = parallelize(LM(checkpoint=True).to(device), mesh, sequence_parallel=True)
+    ref.load_state_dict(m.state_dict())
+    ropt = adamw(ref.parameters())
+    idx, tgt = batch()
+    try:    # either refused before anything changes, or right
+        loss = forge.compile_train_step(make_step(m, opt), fuse=False)(idx, tgt)
+        res["ckpt_unfused"] = dict(loss=abs(float(loss) - float(make_step(ref, ropt)(idx, tgt))),
+                                   diff=max((full(a) - full(b)).abs().max().item()
+                                            for a, b in zip(m.parameters(), ref.parameters())))
+    except forge.ForgeCaptureError as e:
+        res["ckpt_unfused"] = dict(error=str(e), unchanged=all(torch.equal(full(a), full(b)) for a, b in
+                                                               zip(m.parameters(), ref.parameters())))
     # bf16 autocast with SGD-momentum: Adam would turn the bf16 rounding differences (the fused dW never takes
     # autocast's bf16 round trip, the unfused one does) into lr-sized steps on nearly cancelling elements
     run("sp_autocast", sequence_parallel=True, autocast=True,
@@ -305,6 +319,11 @@ def check(results):
     for res in results:
         check_runs(res, ("tp", "sp", "sp_clip", "tp_then_eager", "tp_zero_first", "sp_checkpoint"))
         assert set(SHARDED) <= set(res["sp_checkpoint"]["fused"]), res["sp_checkpoint"]
+        r = res["ckpt_unfused"]
+        if "error" in r:
+            assert "reads a collective's result before waiting" in r["error"] and r["unchanged"], r
+        else:
+            assert r["loss"] <= 1e-5 and r["diff"] <= 1e-3, r
         r = res["sp_autocast"]
         assert set(SHARDED) <= set(r["fused"]), r
         # bf16 autocast: the fused dW skips autocast's bf16 round trip, so the runs differ at bf16's resolution
@@ -366,3 +385,31 @@ def test_cuda_tensor_parallel_step(tmp_path):
     check(run_ranks(tmp_path, "cuda", world=world))
     # replayed as a CUDA graph, its collectives (NCCL) captured with it
     check_graphs(run_ranks(tmp_path, "cuda", world=world, which="graphs"))
+
+
+def test_collective_reads_before_wait_finds_the_kernel_that_reads_early():
+    # the shape of the wrapper Inductor generated for the sequence-parallel step (torch 2.13, CPU), trimmed
+    from forge_compile._compat import collective_reads_before_wait
+    bad = """
+        buf91 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf90, 'sum', 2, '0')
+        assert_size_stride(buf91, (2, 4, 32), (128, 32, 1), 'x')
+        buf94 = buf77; del buf77  # reuse
+        buf95 = reinterpret_tensor(buf91, (8, 32), (32, 1), 0)  # alias
+        cpp_fused_add_native_layer_norm_8(buf96, buf5, buf95, buf94)
+        torch.ops._c10d_functional.wait_tensor.default(buf91)
+        torch.ops._c10d_functional.all_reduce_.default(buf317, 'sum', '0')
+        cpp_fused_scale_9(buf317, buf3)
+        torch.ops._c10d_functional.wait_tensor.default(buf317)
+"""
+    found = collective_reads_before_wait(bad)
+    assert len(found) == 2, found
+    assert "cpp_fused_add_native_layer_norm_8" in found[0] and "buf91" in found[0], found
+    assert "cpp_fused_scale_9" in found[1] and "buf317" in found[1], found
+    good = """
+        buf91 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf90, 'sum', 2, '0')
+        assert_size_stride(buf91, (2, 4, 32), (128, 32, 1), 'x')
+        cpp_fused_other_7(buf96, buf5)
+        torch.ops._c10d_functional.wait_tensor.default(buf91)
+        cpp_fused_add_native_layer_norm_8(buf96, buf5, buf91, buf94)
+"""
+    assert collective_reads_before_wait(good) == []
