@@ -269,6 +269,10 @@ def scenarios(rank, world, device, which="main"):
     m = parallelize(LM().to(device), mesh)
     opt = adamw(m.parameters())
     w0 = [full(p).detach().clone() for p in m.parameters()]
+    # forge.explain: the report of a tensor-parallel step, nothing run, no state created
+    rep = forge.explain(forge.compile_train_step(make_step(m, opt)), *batch())
+    res["explain"] = dict(fused=[d.name for d in rep.fused], unchanged=all(
+        torch.equal(full(a), b) for a, b in zip(m.parameters(), w0)), states=len(opt.state))
     try:    # not yet: refused before anything changes
         forge.compile_train_step(make_step(m, opt), cast_weights_in_update=True)(*batch())
     except forge.ForgeCaptureError as e:
@@ -350,6 +354,8 @@ def check(results):
         r = res["sr"]
         assert r["spec"] == [True, True] and r["shards_differ"] and r["fused"] == ["lin.weight"], r
         assert "cast_weights_in_update" in res.get("casts_error", "") and res["casts_unchanged"], res
+        r = res["explain"]
+        assert set(SHARDED) <= set(r["fused"]) and r["unchanged"] and r["states"] == 0, r
         assert any("tensor parallel: 26 parameters are DTensors" in n for n in res["sp"]["notes"]), res["sp"]["notes"]
 
 
