@@ -547,8 +547,8 @@ class CompiledTrainStep:
                                           embeddings=True)
         report = FusionReport(decisions, graph="train_step")
         if tp_specs is not None and (n_tp := sum(sp is not None for sp in tp_specs[:len(params)])):
-            report.notes.append(f"tensor parallel: {n_tp} parameters are DTensors; the step's graph runs on each rank's "
-                                "local shards (the shapes above), their updates too")
+            report.notes.append(f"tensor parallel: {n_tp} parameters are DTensors; the step's graph runs on each "
+                                "rank's local shards (the shapes above), their updates too")
         if note := fp32_activation_note(gm):
             report.notes.append(note)
         out_info["casts"] = ()

@@ -160,7 +160,8 @@ def scenarios(rank, world, device, which="main"):
         fstep = forge.compile_train_step(make_step(fm, fopt, clip, zero_first, autocast), cuda_graphs=graphs)
         # the same compiled step without fusion: what the fused updates change beyond compiling
         ustep = forge.compile_train_step(make_step(um, uopt, clip, zero_first, autocast), fuse=False)
-        estep, sstep = make_step(em, eopt, clip, zero_first, autocast), make_step(base, sopt, clip, zero_first, autocast)
+        estep = make_step(em, eopt, clip, zero_first, autocast)
+        sstep = make_step(base, sopt, clip, zero_first, autocast)
         losses = []
         for i in range(steps):
             idx, tgt = batch()
@@ -173,6 +174,7 @@ def scenarios(rank, world, device, which="main"):
 
         def diff(other):
             return {n: (full(a) - full(b)).abs().max().item() for (n, a), b in zip(fm.named_parameters(), other)}
+
         def moved(m):
             return [full(p).detach() - p0 for p, p0 in zip(m.parameters(), init)]
         res[name] = dict(
@@ -181,8 +183,9 @@ def scenarios(rank, world, device, which="main"):
             change_rel={n: ((a - b).norm() / b.norm()).item()
                         for (n, _), a, b in zip(fm.named_parameters(), moved(fm), moved(um)) if b.norm() > 0}
             if unfused else {},
-            diff=diff(em.parameters()), diff_unfused=diff(um.parameters()) if unfused else {}, diff_single=diff(base.parameters()),
-            losses=losses, notes=rep.notes, grads=[type(p.grad).__name__ for p in fm.parameters() if p.grad is not None],
+            diff=diff(em.parameters()), diff_unfused=diff(um.parameters()) if unfused else {},
+            diff_single=diff(base.parameters()), losses=losses, notes=rep.notes,
+            grads=[type(p.grad).__name__ for p in fm.parameters() if p.grad is not None],
             grad_diff=max([(full(a.grad) - full(b.grad)).abs().max().item()
                            for a, b in zip(fm.parameters(), em.parameters()) if a.grad is not None], default=0.0),
             fused={d.name: d.reason for d in rep.fused},
@@ -258,7 +261,8 @@ def scenarios(rank, world, device, which="main"):
         with torch.no_grad():
             w = lin.weight.to_local().clone()
             dw = c_local.t() @ x.float()
-            want = stochastic_round_bf16(w.float() - 2.0 ** -9 * dw, element_key(round_key(11, call), SHARD_SALT * rank))
+            ekey = element_key(round_key(11, call), SHARD_SALT * rank)     # salt: parameter 0, shard `rank`
+            want = stochastic_round_bf16(w.float() - 2.0 ** -9 * dw, ekey)
         sr_step(x, c_local)
         spec_ok.append(torch.equal(lin.weight.to_local(), want))
     every = lin.weight.full_tensor()
