@@ -1124,7 +1124,8 @@ def forge_backend(gm, example_inputs, options=None, **kwargs):
         if any(map(_compat.is_dtensor, params)):
             # said up front: under FSDP2 (2-rank CPU run) the backward's report listed 0 of 0 updates, no reason
             decline = ("nothing fused: the optimizer's parameters are DTensors (FSDP2's fully_shard or tensor "
-                       "parallelism), which fusion does not support yet")
+                       "parallelism), which the Dynamo route does not fuse yet (forge.compile_train_step fuses "
+                       "tensor-parallel weights on their shards)")
         elif (wrapper := _compat.data_parallel_wrapper(params=params)) is not None:
             # the wrapper's hooks all-reduce (reduce-scatter) each gradient after backward computes it; a fused
             # update inside the backward would apply this rank's local gradient: unfused, training is DDP's own
