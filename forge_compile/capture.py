@@ -453,18 +453,17 @@ class CompiledTrainStep:
                                 f"forge: a {t.grad.layout} gradient (e.g. nn.Embedding(sparse=True)) is not supported; "
                                 "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
                                 "without ever making its dense gradient")
+                        param, grad = t, t.grad
                         if tp_specs is not None and _compat.is_dtensor(t):
-                            lt, lg = tensor_parallel.rule_inputs(t, t.grad)
-                            if key_t is not None and t.dtype == torch.bfloat16:
-                                torch.ops.forge.apply_rule_(lt, lg, s, h, pl.rule.name, key_t,
-                                                            tensor_parallel.round_salt(t, salt))
-                            else:
-                                torch.ops.forge.apply_rule_(lt, lg, s, h, pl.rule.name)
-                        elif key_t is not None and t.dtype == torch.bfloat16:
-                            # stochastic rounding: the parameter's index in the step salts its bits
-                            torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name, key_t, salt)
+                            param, grad = tensor_parallel.rule_inputs(t, t.grad)
+                        if key_t is not None and t.dtype == torch.bfloat16:
+                            # stochastic rounding: the parameter's index in the step salts its bits (and a DTensor
+                            # shard's index: tensor_parallel.round_salt)
+                            if param is not t:
+                                salt = tensor_parallel.round_salt(t, salt)
+                            torch.ops.forge.apply_rule_(param, grad, s, h, pl.rule.name, key_t, salt)
                         else:
-                            torch.ops.forge.apply_rule_(t, t.grad, s, h, pl.rule.name)
+                            torch.ops.forge.apply_rule_(param, grad, s, h, pl.rule.name)
 
             def fake_zero_grad(opt, set_to_none=True):
                 for group in opt.param_groups:
