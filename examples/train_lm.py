@@ -93,22 +93,24 @@ def apply_rotary(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, d, n_heads):
         super().__init__()
-        self.n_heads = n_heads
+        self.head_dim = d // n_heads
         self.q_proj = nn.Linear(d, d, bias=False)
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x, cos, sin):
-        b, t, d = x.shape
-        shape = (b, t, self.n_heads, d // self.n_heads)
+        # heads counted from the projection's width, not a stored count: under tensor parallelism a rank's
+        # column-wise q/k/v shard holds n_heads / world of them (benchmarks/bench_tp_train_step.py)
+        b, t, _ = x.shape
+        shape = (b, t, -1, self.head_dim)
         q = self.q_proj(x).view(shape).transpose(1, 2)
         k = self.k_proj(x).view(shape).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)     # bf16 under autocast (fp32 tables would upcast q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
