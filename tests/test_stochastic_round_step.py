@@ -73,6 +73,14 @@ def _train_lm(device, make_opt, steps, rows=4, tied=False, max_norm=None, **opti
     return model, losses, step.last_report
 
 
+def _same_first_loss(a: float, b: float, device: str) -> bool:
+    # the loss before any update, from two compiles of the same bf16 model (fused / unfused step): equal on CPU; on
+    # CUDA Inductor picks its reduction kernels' configs by timing, so two compiles may sum in different orders (H100,
+    # whole suite on 12 processes: 3.84514 vs 3.84512, 4.9e-6 relative; the same test passed bitwise run alone). A
+    # skipped or wrong update shows in the later losses and the weights, which the callers check
+    return a == b if device == "cpu" else abs(a - b) <= 1e-4 * abs(a)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 
 
@@ -231,7 +239,7 @@ def test_fused_and_unfused_rounding_agree_in_distribution(device):
     # fuse=False rounds the same spec from torch's bf16 gradient instead of the fp32 dW: close, not equal
     m1, l1, _ = _train_lm(device, _sgdm, 4, stochastic_rounding=True, fuse=True)
     m2, l2, _ = _train_lm(device, _sgdm, 4, stochastic_rounding=True, fuse=False)
-    assert l1[0] == l2[0]
+    assert _same_first_loss(l1[0], l2[0], device), (l1, l2)
     assert abs(l1[-1] - l2[-1]) < 0.05 * abs(l2[0] - l2[-1]) + 1e-2, (l1, l2)
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         # a bf16 ulp or two per step apart at most (|w| < 4: ulp <= 2**-6)
@@ -359,7 +367,7 @@ def test_cuda_graphed_lm_rounds_like_the_plain_step():
     assert any("stochastically rounded updates read their step's random key" in n for n in rep.notes), rep.notes
     assert rep.row("model.emb.weight").fused
     m2, l2, _ = _train_lm("cuda", _adamw, 6, stochastic_rounding=2, cuda_graphs=False)
-    assert l1[0] == l2[0] and max(abs(a - b) for a, b in zip(l1, l2)) < 2e-2, (l1, l2)
+    assert _same_first_loss(l1[0], l2[0], "cuda") and max(abs(a - b) for a, b in zip(l1, l2)) < 2e-2, (l1, l2)
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
 
@@ -498,26 +506,19 @@ def test_interpreter_replayed_clip_with_rounding(interpret):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphed"])
-def test_cuda_clip_with_rounding_behind_its_gate(graphs, monkeypatch):
-    # on CUDA the bf16 clip is taken into the rounded update only with FORGE_SR_CLIP=1 (its kernels not GPU-run when
-    # it was built): without it the projections stay unfused with the reason; with it they fuse (graphed: the
-    # coefficient and the key both from the table row) and train like the unfused rounding step
-    from forge_compile.passes import wgrad_update_pattern as pat
-
-    def run(gate):
-        if gate:
-            monkeypatch.setenv(pat.SR_CLIP_ENV, "1")
-        else:
-            monkeypatch.delenv(pat.SR_CLIP_ENV, raising=False)
+def test_cuda_clip_with_rounding(graphs):
+    # the bf16 clip taken into the rounded update on CUDA (graphed: the coefficient and the key both from the table
+    # row): the projections fuse and train like the same rounding step unfused (behind FORGE_SR_CLIP=1 until this
+    # test's gated form passed on an H100, stop 41)
+    def run(fuse):
         # SGD-momentum, not AdamW: see test_tied_lm_rounds_its_tied_weight_fused
-        return _train_lm("cuda", _sgdm, 5, max_norm=0.5, stochastic_rounding=2, cuda_graphs=graphs)
+        return _train_lm("cuda", _sgdm, 5, max_norm=0.5, stochastic_rounding=2, cuda_graphs=graphs, fuse=fuse)
 
-    m0, l0, rep0 = run(False)
-    qkv = "model.block.qkv.weight"
-    assert not rep0.row(qkv).fused and pat.SR_CLIP_ENV in rep0.row(qkv).reason, rep0.row(qkv)
+    m0, l0, _ = run(False)
     m1, l1, rep1 = run(True)
+    qkv = "model.block.qkv.weight"
     assert rep1.row(qkv).fused and "clip_grad_norm_" in rep1.row(qkv).reason, rep1.row(qkv)
-    assert l0[0] == l1[0] and max(abs(a - b) for a, b in zip(l0, l1)) < 2e-2, (l0, l1)
+    assert _same_first_loss(l0[0], l1[0], "cuda") and max(abs(a - b) for a, b in zip(l0, l1)) < 2e-2, (l0, l1)
     for (name, a), b in zip(m0.named_parameters(), m1.parameters()):
         assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
 
@@ -534,7 +535,7 @@ def test_tied_lm_rounds_its_tied_weight_fused(device):
     m1, l1, rep = run(True)
     m2, l2, _ = run(False)
     assert rep.row("model.emb.weight").fused and "tied" in rep.row("model.emb.weight").reason, rep
-    assert l1[0] == l2[0] and abs(l1[-1] - l2[-1]) < 0.05 * abs(l2[0] - l2[-1]) + 1e-2, (l1, l2)
+    assert _same_first_loss(l1[0], l2[0], device) and abs(l1[-1] - l2[-1]) < 0.05 * abs(l2[0] - l2[-1]) + 1e-2, (l1, l2)
     for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
         assert (a.float() - b.float()).abs().max() <= 4 * 2 ** -6, name
 

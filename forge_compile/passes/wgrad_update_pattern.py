@@ -112,16 +112,10 @@ def _describe_users(node: fx.Node, exclude) -> str:
     return ", ".join(names)
 
 
-# clip_grad_norm_ over the bf16 gradients of rounded weights (stochastic_rounding) taken into the fused update: on
-# CPU always; on CUDA only with FORGE_SR_CLIP=1 until its kernels (grad-scaled rounded Gluon/Triton launches) have run
-# on a GPU -- built in stop 39 without device time left
-SR_CLIP_ENV = "FORGE_SR_CLIP"
-
-
 def _low_precision_clip_allowed(apply: fx.Node) -> bool:
-    w = _meta(apply.args[0])
-    return (round_args(apply) is not None and w is not None
-            and (w.device.type != "cuda" or os.environ.get(SR_CLIP_ENV) == "1"))
+    # clip_grad_norm_ over bf16 gradients is taken into the fused update of stochastically rounded weights only: the
+    # SR spec's rule runs on the fp32 dW (scaled in the kernel), eager torch would scale the bf16 gradient
+    return round_args(apply) is not None and _meta(apply.args[0]) is not None
 
 
 def match_wgrad_update(apply: fx.Node, embeddings: bool = False) -> tuple[Optional[_Match], str]:
@@ -267,8 +261,7 @@ def _walk(cur, consumer: fx.Node, embeddings: bool, allow_sum: bool, low: bool =
                 # the fused update would scale the fp32 dW, torch scales the bf16 gradient by a bf16 coefficient
                 return ("gradient is scaled by a 0-dim factor in low precision before the update (clip_grad_norm_ "
                         "over bf16 gradients): taken into the update only for a weight rounded stochastically "
-                        f"(stochastic_rounding), on CUDA only with {SR_CLIP_ENV}=1 until its kernels have run on a "
-                        "GPU")
+                        "(stochastic_rounding)")
             return f"gradient is modified in place by {cur.target} before the update (e.g. clip_grad_value_)"
         if cur.op == "call_function" and cur.target in _TRANSPOSES and _is_transpose(cur):
             transposed = not transposed
