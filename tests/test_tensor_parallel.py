@@ -148,7 +148,9 @@ def scenarios(rank, world, device, which="main"):
         return (torch.randint(0, VOCAB, (2, 8), generator=gen).to(device),
                 torch.randint(0, VOCAB, (2, 8), generator=gen).to(device))
 
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    # foreach=False: torch's foreach AdamW (the CUDA default) raises on the eager TP model, whose plain LayerNorm
+    # parameters and DTensor weights share a foreach group ("got mixed torch.Tensor and DTensor", torch 2.11, H100)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa: E731
 
     def run(name, steps=3, sequence_parallel=False, clip=None, eager_after=0, zero_first=False, graphs=False,
             autocast=False, make_opt=None, checkpoint=False, unfused=True):
@@ -247,7 +249,8 @@ def scenarios(rank, world, device, which="main"):
     x = torch.randint(-3, 4, (8, 16), generator=gen).to(device, torch.bfloat16)
     c = torch.randint(-3, 4, (8, 16), generator=gen).to(device).float().repeat(1, 2)
 
-    c_local = c[:, rank * 16:(rank + 1) * 16]       # the column-wise output stays sharded (use_local_output)
+    n = 32 // world                                 # a rank's rows of W (one GPU: a mesh of one, the whole W)
+    c_local = c[:, rank * n:(rank + 1) * n]         # the column-wise output stays sharded (use_local_output)
 
     @forge.compile_train_step(stochastic_rounding=11)
     def sr_step(x, c):
@@ -266,7 +269,8 @@ def scenarios(rank, world, device, which="main"):
         sr_step(x, c_local)
         spec_ok.append(torch.equal(lin.weight.to_local(), want))
     every = lin.weight.full_tensor()
-    res["sr"] = dict(spec=spec_ok, shards_differ=not torch.equal(every[:16], every[16:]),
+    # rows 16: equal the rows :16 (and so their fp32 updates); on two ranks each half is a shard of its own
+    res["sr"] = dict(spec=spec_ok, world=world, shards_differ=not torch.equal(every[:16], every[16:]),
                      fused=[d.name for d in sr_step.last_report.fused])
 
     torch.manual_seed(0)
@@ -306,69 +310,91 @@ def run_ranks(tmp_path, device_type="cpu", world=2, which="main") -> list:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def check_runs(res, names):
+class Expect:
+    """Collects failed expectations (each with its context) so that one run reports all of them."""
+
+    def __init__(self):
+        self.failed = []
+
+    def __call__(self, ok, context):
+        if not ok:
+            self.failed.append(repr(context)[:3000])
+
+    def done(self):
+        assert not self.failed, f"{len(self.failed)} expectations failed:\n" + "\n".join(self.failed)
+
+
+def check_runs(ex, res, names, device_type):
     for name in names:
         r = res[name]
-        assert r["dtensor_states"], (name, r)
+        ex(r["dtensor_states"], (name, r))
         # fused vs the same compiled step unfused: the dW GEMMs sum in another order, nothing else (measured
-        # <= 3.3e-7 after 3 AdamW steps)
-        assert max(r["diff_unfused"].values(), default=0.0) <= 1e-6, (name, r)
+        # <= 3.3e-7 after 3 AdamW steps on CPU; on CUDA the fused kernel's fp32 GEMM (Triton) against cuBLAS's:
+        # 1.1e-5 in "sp_clip", H100, a mesh of one rank, stop 41)
+        bound = 1e-6 if device_type == "cpu" else 1e-4
+        ex(max(r["diff_unfused"].values(), default=0.0) <= bound, (name, r))
         # vs eager under the same plan and vs the unsharded model on one process: where a gradient element nearly
         # cancels, Adam's first steps (m / sqrt(v) ~ sign(g)) turn Inductor's other summation order into up to
         # 3.8e-4 (layers.0.attn.q; 9.4e-5 in "tp", where the compiled step WITHOUT fusion differs from eager exactly
         # as much); a missing or wrong update moves a weight by ~lr = 1e-2
-        assert max(r["diff"].values()) <= 1e-3, (name, r)
-        assert max(r["diff_single"].values()) <= 1e-3, (name, r)
+        ex(max(r["diff"].values()) <= 1e-3, (name, r))
+        ex(max(r["diff_single"].values()) <= 1e-3, (name, r))
         for lf, le, ls in r["losses"]:
-            assert abs(lf - le) <= 1e-5 and abs(lf - ls) <= 1e-5, (name, r["losses"])
+            ex(abs(lf - le) <= 1e-5 and abs(lf - ls) <= 1e-5, (name, r["losses"]))
 
 
-def check(results):
+def check(results, device_type="cpu"):
+    # every expectation is evaluated and the failures reported together: a GPU run is scarce
+    ex = Expect()
     for res in results:
-        check_runs(res, ("tp", "sp", "sp_clip", "tp_then_eager", "tp_zero_first", "sp_checkpoint"))
-        assert set(SHARDED) <= set(res["sp_checkpoint"]["fused"]), res["sp_checkpoint"]
+        check_runs(ex, res, ("tp", "sp", "sp_clip", "tp_then_eager", "tp_zero_first", "sp_checkpoint"), device_type)
+        ex(set(SHARDED) <= set(res["sp_checkpoint"]["fused"]), res["sp_checkpoint"])
         r = res["ckpt_unfused"]
         if "error" in r:
-            assert "reads a collective's result before waiting" in r["error"] and r["unchanged"], r
+            ex("reads a collective's result before waiting" in r["error"] and r["unchanged"], r)
         else:
-            assert r["loss"] <= 1e-5 and r["diff"] <= 1e-3, r
+            ex(r["loss"] <= 1e-5 and r["diff"] <= 1e-3, r)
         r = res["sp_autocast"]
-        assert set(SHARDED) <= set(r["fused"]), r
+        ex(set(SHARDED) <= set(r["fused"]), r)
         # bf16 autocast: the fused dW skips autocast's bf16 round trip, so the runs differ at bf16's resolution
         # (measured: 1.9e-4 fused vs unfused, 3.4e-4 vs eager, after 3 SGD-momentum steps; weights ~0.2, 2^-8 relative);
         # each parameter's change within 5 % of the unfused step's (a missing or wrong update moves it by ~100 %)
         for k in ("diff", "diff_unfused", "diff_single"):
-            assert max(r[k].values()) <= 1e-3, (k, r)
-        assert max(r["change_rel"].values()) <= 0.05, r["change_rel"]
+            ex(max(r[k].values()) <= 1e-3, (k, r))
+        ex(max(r["change_rel"].values()) <= 0.05, r["change_rel"])
         for lf, le, ls in r["losses"]:
-            assert abs(lf - le) <= 5e-3 and abs(lf - ls) <= 5e-3, r["losses"]
+            ex(abs(lf - le) <= 5e-3 and abs(lf - ls) <= 5e-3, r["losses"])
         # every sharded weight's update fused on its shard (the replicated embedding and head too)
-        assert set(SHARDED) | {"model.head.weight", "model.emb.weight"} <= set(res["tp"]["fused"]), res["tp"]
+        ex(set(SHARDED) | {"model.head.weight", "model.emb.weight"} <= set(res["tp"]["fused"]), res["tp"])
         # sequence parallel: the head is sharded column-wise too; the embedding sharded row-wise (its masked lookup's
         # gradient) stays unfused, with its reason
-        assert "model.head.weight" in res["sp"]["fused"] and "model.emb.weight" in res["sp"]["unfused"], res["sp"]
-        assert set(SHARDED) <= set(res["sp"]["fused"]), res["sp"]
-        assert set(SHARDED) <= set(res["sp_clip"]["fused"]), res["sp_clip"]
+        ex("model.head.weight" in res["sp"]["fused"] and "model.emb.weight" in res["sp"]["unfused"], res["sp"])
+        ex(set(SHARDED) <= set(res["sp"]["fused"]), res["sp"])
+        ex(set(SHARDED) <= set(res["sp_clip"]["fused"]), res["sp_clip"])
         r = res["tp_zero_first"]
         # the step's gradients left set (so dW must exist: unfused, with the reason): DTensors for the sharded
         # parameters, as eager leaves them -- the graph's local outputs wrapped again
-        assert r["grads"] and "DTensor" in r["grads"], r
-        assert all("gradient outlives the step" in r["unfused"][n] for n in SHARDED), r
-        assert r["grad_diff"] <= 1e-4, r
+        ex(r["grads"] and "DTensor" in r["grads"], r)
+        ex(all("gradient outlives the step" in r["unfused"][n] for n in SHARDED), r)
+        ex(r["grad_diff"] <= 1e-4, r)
         r = res["sr"]
-        assert r["spec"] == [True, True] and r["shards_differ"] and r["fused"] == ["lin.weight"], r
-        assert "cast_weights_in_update" in res.get("casts_error", "") and res["casts_unchanged"], res
+        ex(r["spec"] == [True, True] and r["fused"] == ["lin.weight"], r)
+        ex(r["shards_differ"] or r["world"] == 1, r)
+        ex("cast_weights_in_update" in res.get("casts_error", "") and res["casts_unchanged"], res)
         r = res["explain"]
-        assert set(SHARDED) <= set(r["fused"]) and r["unchanged"] and r["states"] == 0, r
-        assert any("tensor parallel: 26 parameters are DTensors" in n for n in res["sp"]["notes"]), res["sp"]["notes"]
+        ex(set(SHARDED) <= set(r["fused"]) and r["unchanged"] and r["states"] == 0, r)
+        ex(any("tensor parallel: 26 parameters are DTensors" in n for n in res["sp"]["notes"]), res["sp"]["notes"])
+    ex.done()
 
 
-def check_graphs(results):
+def check_graphs(results, device_type="cpu"):
+    ex = Expect()
     for res in results:
-        check_runs(res, ("sp_clip_graphs",))
+        check_runs(ex, res, ("sp_clip_graphs",), device_type)
         r = res["sp_clip_graphs"]
-        assert set(SHARDED) <= set(r["fused"]), r
-        assert any("replayed as one CUDA graph" in n for n in r["notes"]), r["notes"]
+        ex(set(SHARDED) <= set(r["fused"]), r)
+        ex(any("replayed as one CUDA graph" in n for n in r["notes"]), r["notes"])
+    ex.done()
 
 
 def test_tensor_parallel_step_matches_eager_and_fuses_every_shard(tmp_path):
@@ -392,9 +418,9 @@ def test_cuda_tensor_parallel_step(tmp_path):
     # as many ranks as GPUs (up to 2) over NCCL: on one GPU a mesh of one rank -- the same DTensor graphs, local
     # shards the whole weights, the fused CUDA kernels on them
     world = min(2, torch.cuda.device_count())
-    check(run_ranks(tmp_path, "cuda", world=world))
+    check(run_ranks(tmp_path, "cuda", world=world), "cuda")
     # replayed as a CUDA graph, its collectives (NCCL) captured with it
-    check_graphs(run_ranks(tmp_path, "cuda", world=world, which="graphs"))
+    check_graphs(run_ranks(tmp_path, "cuda", world=world, which="graphs"), "cuda")
 
 
 def test_collective_reads_before_wait_finds_the_kernel_that_reads_early():
