@@ -1,0 +1,134 @@
+"""8-bit block-wise optimizer states: the spec (roadmap; no kernel and no capture option uses it yet).
+
+Why: from M = 2048 tokens on, the fused step's cost is moving W, m and v (24 bytes per element for fp32 AdamW;
+benchmarks/NOTES_kernel.md, stop 31). 8-bit m and v make it 12 + 2 x 4/128 bytes; with bf16 W (stochastic_rounding)
+8 + 2 x 4/128.
+
+Format (stop 38's study, benchmarks/study_q8_states.py): a state ``[..., K]`` is stored as float8_e4m3fn CODES of the
+same shape and one fp32 SCALE per block of ``BLOCK`` = 128 consecutive elements of a row (the last block of a row may
+be shorter): value = code x scale, scale = absmax(block) / 448 (e4m3's largest finite value). Blocks lie inside a row
+so that an epilogue tile of [rows, 128] columns holds whole blocks: the fused kernel can take a block's new absmax
+without another CTA. A block of zeros has scale 0 (codes 0).
+
+Quantizing rounds STOCHASTICALLY: v changes by (1 - beta2) = 0.1 % of itself per step, far below half an e4m3 code step
+(~3 %), so round-to-nearest puts it back on the same code -- the study counted 98-99 % of v codes unmoved per step and
+a v lagging its true average (a biased effective step). Rounding up with probability equal to the discarded fraction
+keeps E[dequantized] = the fp32 value. The bits are stochastic_round.py's hash (no generator state: the same for a
+kernel, the CPU path and this reference) under a key of the step, the parameter's salt and the state's index
+(``state_element_key``), 24 bits per element:
+
+    y = x / scale;  e = max(exponent(|y|), -6);  ulp = 2^(e - 3)      (e4m3: 3 mantissa bits, subnormals below 2^-6)
+    t = |y| / ulp;  q = (floor(t) + (u < t - floor(t))) x ulp,  u = (bits >> 8) / 2^24;  code = sign(y) x min(q, 448)
+
+Every step is exact in fp32 (ulp is a power of two), so a kernel computing the same ops gets the same codes. The
+clamp at 448 only matters where x / scale rounds a hair above 448 (a block's absmax element). A non-finite state
+element makes its block's scale non-finite (every value of the block NaN after dequantization), as it would spoil
+the fp32 state's next update anyway.
+"""
+from __future__ import annotations
+
+import torch
+
+from .stochastic_round import _hash32_t, element_key, hash32
+
+__all__ = ["BLOCK", "E4M3_MAX", "state_element_key", "quantize", "dequantize", "reference_q8_update", "TRITON_Q8"]
+
+BLOCK = 128
+E4M3_MAX = 448.0
+_STATE_TAG = 0x51380000     # mixed into the step key per state: a state's bits differ from the weight's rounding bits
+_M32 = 0xFFFFFFFF
+
+
+def state_element_key(key: int, salt: int, state: int) -> int:
+    """The element key of state number ``state`` (its index in the rule's states) of the parameter salted ``salt``,
+    under the step key ``key`` (stochastic_round.round_key): ``element_key`` of a key mixed with the state's tag, so
+    m, v and a stochastically rounded weight of one parameter draw unrelated bits."""
+    return element_key(hash32((key & _M32) ^ hash32(_STATE_TAG + state)), salt)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as ``[..., ceil(K / BLOCK), BLOCK]``, the last block zero-padded."""
+    k = x.shape[-1]
+    pad = -k % BLOCK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, BLOCK)
+
+
+def _expand(scales: torch.Tensor, k: int) -> torch.Tensor:
+    return scales.repeat_interleave(BLOCK, dim=-1)[..., :k]
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    # 2^k (int32 k, a normal fp32 exponent) from its bit pattern, as the kernel builds it
+    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def quantize(x: torch.Tensor, ekey: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32, contiguous, at least 1-D: element i is ``x.view(-1)[i]``) as (codes float8_e4m3fn like ``x``,
+    scales fp32 ``[..., ceil(K / 128)]``), rounded stochastically with the bits of ``ekey`` (state_element_key)."""
+    x = x.float()
+    k = x.shape[-1]
+    scales = _blocks(x).abs().amax(dim=-1) / E4M3_MAX
+    s = _expand(scales, k)
+    y = torch.where(s == 0, torch.zeros_like(x), x / s)
+    a = y.abs()
+    # the exponent of |y| from its bit pattern (0 for zeros and subnormal fp32, which the max(-6) covers)
+    e = ((a.view(torch.int32) >> 23) & 0xFF) - 127     # int32
+    ulp_exp = torch.clamp(e, min=-6) - 3
+    t = a * _pow2(-ulp_exp)
+    fl = torch.floor(t)
+    idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    bits = _hash32_t(_hash32_t(idx & _M32) ^ ekey) >> 8
+    u = bits.to(torch.float32) * 2.0 ** -24
+    q = (fl + (u < t - fl).float()) * _pow2(ulp_exp)
+    q = torch.clamp(q, max=E4M3_MAX)
+    codes = torch.where(torch.isnan(y), y, torch.where(y < 0, -q, q))      # -0.0 stored as +0
+    return codes.to(torch.float8_e4m3fn), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``(codes, scales)``."""
+    return codes.float() * _expand(scales, codes.shape[-1])
+
+
+def reference_q8_update(rule, param: torch.Tensor, grad: torch.Tensor, states: list, hparams: list, key: int,
+                        salt: int) -> None:
+    """One update of ``param`` (fp32) by ``rule`` (optim.rule.Rule) with 8-bit states, in place: each tensor state
+    is a ``[codes, scales]`` list (replaced by the new ones), a scalar state (Adam's step) a tensor as today.
+    Dequantize, the rule in fp32 op for op as the unfused update, quantize each new tensor state with its own bits."""
+    ins = [s if rule.is_scalar_state(i) else dequantize(*s) for i, s in enumerate(states)]
+    out = rule.fn(param, grad.float(), *ins, *hparams)
+    param.copy_(out[0])
+    for i, (s, new) in enumerate(zip(states, out[1:])):
+        if rule.is_scalar_state(i):
+            s.copy_(new)
+        else:
+            s[0], s[1] = quantize(new.contiguous(), state_element_key(key, salt, i))
+
+
+# The same in Triton, for a kernel epilogue (spliced after stochastic_round.TRITON_SROUND, whose _hash32 it uses): a
+# [BN, BK] fp32 tile of a state whose columns are whole blocks (BK a multiple of 128, the tile's first column one of
+# 128), ``off`` the elements' int64 offsets in the state, ``ekey`` state_element_key as an int32. Returns the codes
+# (fp32 values on e4m3's grid: the store's conversion to float8e4nv is exact) and the [BN, BK // 128] scales. 2^k is
+# built from its bit pattern and the division is correctly rounded, so every value is the torch spec's.
+TRITON_Q8 = '''
+
+@triton.jit
+def _q8_quantize(x, off, ekey, BN: tl.constexpr, BK: tl.constexpr):
+    amax = tl.max(tl.reshape(tl.abs(x), (BN, BK // 128, 128)), axis=2)
+    scale = tl.math.div_rn(amax, tl.full((), 448.0, tl.float32))
+    s = tl.reshape(tl.broadcast_to(tl.expand_dims(scale, 2), (BN, BK // 128, 128)), (BN, BK))
+    y = tl.where(s == 0, 0.0, tl.math.div_rn(x, tl.where(s == 0, 1.0, s)))
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(e, -6) - 3
+    t = a * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    fl = tl.floor(t)
+    r = _hash32(_hash32(off.to(tl.uint32)) ^ ekey.to(tl.uint32)) >> 8
+    u = r.to(tl.float32) * 5.9604644775390625e-08
+    q = (fl + tl.where(u < t - fl, 1.0, 0.0)) * ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(q, 448.0)
+    code = tl.where(y != y, y, tl.where(y < 0, -q, q))
+    return code, scale
+'''
