@@ -139,11 +139,21 @@ def inductor_output_code(fn, *args, **kwargs):
     return out, codes
 
 
-_COLLECTIVE_OUT = re.compile(r"^\s*(buf\d+) = torch\.ops\._c10d_functional\.\w+\.default\(")
-_COLLECTIVE_INPLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.\w+_\.default\((buf\d+)\b")
-_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
-_ALIAS = re.compile(r"^\s*(buf\d+) = reinterpret_tensor\((buf\d+)\b")
-_BUF = re.compile(r"\bbuf\d+\b")
+# a functional collective's buffer in Inductor's Python wrapper: a buffer or graph input name, possibly passed as a
+# reinterpret_tensor view of it (an in-place all_reduce_ on a reshaped buffer, tensor parallelism's row-wise output)
+_NAME = r"([A-Za-z_]\w*)"
+_COLLECTIVE_OUT = re.compile(r"^\s*" + _NAME + r" = torch\.ops\._c10d_functional\.\w+\.default\(")
+_COLLECTIVE_INPLACE = re.compile(r"^\s*torch\.ops\._c10d_functional\.\w+_\.default\((?:reinterpret_tensor\()?"
+                                 + _NAME + r"\b")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((?:reinterpret_tensor\()?" + _NAME + r"\b")
+_ALIAS = re.compile(r"^\s*" + _NAME + r" = reinterpret_tensor\(" + _NAME + r"\b")
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def count_collectives(code: str) -> int:
+    """How many functional collectives collective_reads_before_wait recognises in ``code``: 0 for a graph with
+    collectives means the check could not read this wrapper (cpp_wrapper's C++, another torch's spelling)."""
+    return sum(bool(_COLLECTIVE_OUT.match(line) or _COLLECTIVE_INPLACE.match(line)) for line in code.splitlines())
 
 
 def collective_reads_before_wait(code: str) -> list:
@@ -169,7 +179,7 @@ def collective_reads_before_wait(code: str) -> list:
         if (m := _ALIAS.match(line)) and m.group(2) in pending:
             pending[m.group(1)] = pending[m.group(2)]
             continue
-        used = [b for b in _BUF.findall(line) if b in pending]
+        used = [b for b in _IDENT.findall(line) if b in pending]
         if used:
             found.append(f"{stripped[:120]} (reads {pending[used[0]]} before its wait_tensor)")
     return found

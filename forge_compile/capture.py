@@ -846,6 +846,15 @@ class CompiledTrainStep:
                 # generated wrapper is checked, so that such a step stops here instead of training on stale data
                 compiled, codes = _compat.inductor_output_code(
                     _compat.compile_fx, gm, flat if table is None else flat + [table])
+                seen = sum(map(_compat.count_collectives, codes))
+                counters["collectives_checked"] += seen
+                if not seen:
+                    counters["collectives_unchecked"] += 1
+                    report.notes.append(
+                        "the step's collectives were not found in Inductor's generated code (cpp_wrapper, or another "
+                        "torch's wrapper text): the check that no kernel reads a collective's result before its "
+                        "wait did not run")
+                    log.warning("forge: %s", report.notes[-1])
                 if hazards := [h for code in codes for h in _compat.collective_reads_before_wait(code)]:
                     counters["collective_hazards"] += 1
                     raise ForgeCaptureError(

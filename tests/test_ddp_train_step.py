@@ -164,6 +164,10 @@ def scenarios(rank, device, cuda_graphs=False):
     except forge.ForgeCaptureError as e:
         res["hook_error"] = str(e)
     res["hook_unchanged"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), w0))
+    # the step graphs' collectives recognised in their generated wrappers (collective_reads_before_wait's check ran)
+    from forge_compile import capture
+    res["collectives_checked"] = capture.counters["collectives_checked"]
+    res["collectives_unchecked"] = capture.counters["collectives_unchecked"]
     return res
 
 
@@ -236,6 +240,7 @@ def check(results, graphs=False):
         assert "accumulates into the .grad" in r["unfused"]["model.module.fc1.weight"], r
         assert "communication hook" in res.get("hook_error", ""), res
         assert res["hook_unchanged"], res
+        assert res["collectives_checked"] > 0 and res["collectives_unchecked"] == 0, res
         if graphs:
             for name in ("mlp_sgd", "mlp_sgd_large", "lm_adamw_clip_accum"):
                 r = res[name]

@@ -286,6 +286,10 @@ def scenarios(rank, world, device, which="main"):
     except forge.ForgeCaptureError as e:
         res["casts_error"] = str(e)
     res["casts_unchanged"] = all(torch.equal(full(a), b) for a, b in zip(m.parameters(), w0))
+    # the wrapper check (collective_reads_before_wait) recognised the collectives in this device's generated code
+    from forge_compile import capture
+    res["collectives_checked"] = capture.counters["collectives_checked"]
+    res["collectives_unchecked"] = capture.counters["collectives_unchecked"]
     return res
 
 
@@ -384,6 +388,10 @@ def check(results, device_type="cpu"):
         r = res["explain"]
         ex(set(SHARDED) <= set(r["fused"]) and r["unchanged"] and r["states"] == 0, r)
         ex(any("tensor parallel: 26 parameters are DTensors" in n for n in res["sp"]["notes"]), res["sp"]["notes"])
+        # every step graph with collectives had them recognised in its generated wrapper (a mesh of one rank has
+        # none: DTensor skips them); until stop 41 an in-place all_reduce_ on a reinterpret_tensor view went unseen
+        ex(res["collectives_checked"] > 0 or res["sr"]["world"] == 1, ("checked", res["collectives_checked"]))
+        ex(res["collectives_unchecked"] == 0, ("unchecked graphs", res["collectives_unchecked"]))
     ex.done()
 
 
@@ -425,7 +433,7 @@ def test_cuda_tensor_parallel_step(tmp_path):
 
 def test_collective_reads_before_wait_finds_the_kernel_that_reads_early():
     # the shape of the wrapper Inductor generated for the sequence-parallel step (torch 2.13, CPU), trimmed
-    from forge_compile._compat import collective_reads_before_wait
+    from forge_compile._compat import collective_reads_before_wait, count_collectives
     bad = """
         buf91 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf90, 'sum', 2, '0')
         assert_size_stride(buf91, (2, 4, 32), (128, 32, 1), 'x')
@@ -439,6 +447,16 @@ def test_collective_reads_before_wait_finds_the_kernel_that_reads_early():
 """
     found = collective_reads_before_wait(bad)
     assert len(found) == 2, found
+    # tensor parallelism's row-wise output (torch 2.13, CPU): an in-place all_reduce_ on a view of the buffer
+    inplace_view = """
+        torch.ops._c10d_functional.all_reduce_.default(reinterpret_tensor(buf10, (2, 8, 32), (256, 32, 1), 0), 'sum', '0')
+        cpp_fused_add_3(buf10, buf11)
+        torch.ops._c10d_functional.wait_tensor.default(reinterpret_tensor(buf10, (2, 8, 32), (256, 32, 1), 0))
+        cpp_fused_add_4(buf10, buf12)
+"""
+    found_view = collective_reads_before_wait(inplace_view)
+    assert len(found_view) == 1 and "cpp_fused_add_3" in found_view[0], found_view
+    assert count_collectives(inplace_view) == 1 and count_collectives(bad) == 2
     assert "cpp_fused_add_native_layer_norm_8" in found[0] and "buf91" in found[0], found
     assert "cpp_fused_scale_9" in found[1] and "buf317" in found[1], found
     good = """
