@@ -5,8 +5,9 @@
 #                      kernel test files); TEST_TIMEOUT, TEST_PROCS, TEST_ARGS; TEST_SHARD=i/n runs the i-th (1-based)
 #                      of n interleaved parts of the default suite's files (the whole suite no longer fits one
 #                      call: stop 38 cut it at 71 % after 420 s on an H100); CPU_TESTS=0 skips the tests that
-#                      touch no CUDA (tests/conftest.py FORGE_GPU_ONLY: 764 of 1959 kept) -- CI runs them, but only
-#                      here do they run on torch 2.11, so not every session
+#                      touch no CUDA (tests/conftest.py FORGE_GPU_ONLY) -- CI runs them, but only here do they run on
+#                      torch 2.11, so not every session; the GPU-only suite fits one call (stop 41, H100: 796 tests,
+#                      397 s on 12 processes, TEST_TIMEOUT=430)
 #   LAUNCH=1           bench_launch_overhead.py (host us per fused launch)
 #   BENCH_ARGS=...     bench_wgrad_update.py arguments (default "--cases final"); BENCH=0 skips it; BENCH_TIMEOUT;
 #                      BENCH_ARGS2=... a second bench_wgrad_update.py run in the same call (e.g. another --cases)
