@@ -41,16 +41,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank, world, port, cfg, route, out_path):
+def worker(rank, world, port, cfg, route, out_path, run=None):
+    """One rank: its process group (NCCL on its own GPU; gloo for a CPU smoke run; ``cfg["pg_timeout"]`` seconds a
+    collective may wait, if given), then ``run`` (default: this script's run_route); rank 0 writes the result."""
     if cfg["device"] == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:    # a smoke run of the script itself: gloo, tiny shapes
         device = torch.device("cpu")
+    timeout = {"timeout": datetime.timedelta(seconds=cfg["pg_timeout"])} if cfg.get("pg_timeout") else {}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, **timeout)
     try:
-        res = run_route(rank, world, device, cfg, route)
+        res = (run or run_route)(rank, world, device, cfg, route)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -98,8 +101,21 @@ def run_route(rank, world, device, cfg, route) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    ms = timed_steps(body, [batch() for _ in range(cfg["iters"])], device)
+    out = dict(route=route, losses=losses, ms=ms,
+               peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
+               fused=len(report.fused) if report else None,
+               unfused=[(d.name, d.reason) for d in report.unfused if d.reason != "not a matrix (normal path)"]
+               if report else None,
+               notes=report.notes if report else None)
+    return out
+
+
+def timed_steps(body, batches, device) -> float:
+    """The median ms of ``body(x, y)`` over ``batches``, each step timed after a barrier (CUDA events on a GPU), the
+    slowest rank setting each step's time (the per-step maximum over the ranks)."""
+    cuda = device.type == "cuda"
     times = []
-    batches = [batch() for _ in range(cfg["iters"])]
     for x, y in batches:
         dist.barrier()
         if cuda:
@@ -114,16 +130,9 @@ def run_route(rank, world, device, cfg, route) -> dict:
             t0 = time.perf_counter()
             body(x, y)
             times.append((time.perf_counter() - t0) * 1e3)
-    # the slowest rank sets the pace: the per-step maximum over the ranks
     t = torch.tensor(times, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    out = dict(route=route, losses=losses, ms=statistics.median(t.tolist()),
-               peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0,
-               fused=len(report.fused) if report else None,
-               unfused=[(d.name, d.reason) for d in report.unfused if d.reason != "not a matrix (normal path)"]
-               if report else None,
-               notes=report.notes if report else None)
-    return out
+    return statistics.median(t.tolist())
 
 
 def main(argv=None):

@@ -25,19 +25,16 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ddp_train_step import free_port  # noqa: E402
+from bench_ddp_train_step import free_port, timed_steps, worker  # noqa: E402
 from bench_train_step import LOSS_ATOL, WithLoss, _judged_steps, load_llama, make_optimizer  # noqa: E402
 
 ROUTES = ("baseline", "step", "step_graphs")
@@ -70,23 +67,6 @@ def parallelize(model, mesh):
 
 def local_bytes(ts) -> int:
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in ts)
-
-
-def worker(rank, world, port, cfg, route, out_path):
-    if cfg["device"] == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    else:    # a smoke run of the script itself: gloo, tiny shapes
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
-    try:
-        res = run_route(rank, world, device, cfg, route)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(res, f)
 
 
 def run_route(rank, world, device, cfg, route) -> dict:
@@ -139,25 +119,7 @@ def run_route(rank, world, device, cfg, route) -> dict:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            times = []
-            for x, y in [batch(mb) for _ in range(cfg["iters"])]:
-                dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    body(x, y)
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b))
-                else:
-                    t0 = time.perf_counter()
-                    body(x, y)
-                    times.append((time.perf_counter() - t0) * 1e3)
-            # the slowest rank sets the pace: the per-step maximum over the ranks
-            t = torch.tensor(times, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            run.update(ms=statistics.median(t.tolist()),
+            run.update(ms=timed_steps(body, [batch(mb) for _ in range(cfg["iters"])], device),
                        peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else 0.0)
         except torch.OutOfMemoryError:
             run["oom"] = True
@@ -201,7 +163,7 @@ def main(argv=None):
     tmp = tempfile.mkdtemp()
     for route in args.routes.split(","):
         path = os.path.join(tmp, f"{route}.json")
-        mp.spawn(worker, args=(world, free_port(), cfg, route, path), nprocs=world)
+        mp.spawn(worker, args=(world, free_port(), cfg, route, path, run_route), nprocs=world)
         with open(path) as f:
             results[route] = json.load(f)
         r = results[route]

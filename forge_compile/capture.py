@@ -841,11 +841,11 @@ class CompiledTrainStep:
             log.warning("forge: %s", report.notes[-1])
             counters["cpp_wrapper_declined"] += 1
         with _compat.inductor_config_patch(options), _compat.inductor_config_for_forge(free):
+            inputs = flat if table is None else flat + [table]
             if _has_collectives(gm):
                 # Inductor has scheduled a kernel that reads a collective's output before its wait (stop 40): the
                 # generated wrapper is checked, so that such a step stops here instead of training on stale data
-                compiled, codes = _compat.inductor_output_code(
-                    _compat.compile_fx, gm, flat if table is None else flat + [table])
+                compiled, codes = _compat.inductor_output_code(_compat.compile_fx, gm, inputs)
                 seen = sum(map(_compat.count_collectives, codes))
                 counters["collectives_checked"] += seen
                 if not seen:
@@ -864,7 +864,7 @@ class CompiledTrainStep:
                         "parallelism, activation checkpointing and unfused Adam updates in one step; fusing the "
                         "weights (fuse=True) or another optimizer avoided it there.")
             else:
-                compiled = _compat.compile_fx(gm, flat if table is None else flat + [table])
+                compiled = _compat.compile_fx(gm, inputs)
         report.notes.extend(_clone_notes())
         entry = _Compiled(compiled, report, out_info["spec"], out_info["n"], out_info["grad_params"],
                           casts=out_info["casts"], grads_in=out_info["grads_in"],

@@ -236,6 +236,13 @@ def clip_step(model, opt, max_norm, loss_fn=F.mse_loss, foreach=None):
     return step
 
 
+def collective_checks() -> dict:
+    """This process's counts of collectives the step graphs' wrapper check recognised (capture counters
+    collectives_checked) and of graphs with collectives it could not read (collectives_unchecked)."""
+    from forge_compile import capture
+    return {k: capture.counters[k] for k in ("collectives_checked", "collectives_unchecked")}
+
+
 def free_port() -> int:
     """A TCP port free on this host now (for a process group's rendezvous)."""
     import socket

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import MLP, TinyLM, free_port
+from models import MLP, TinyLM, collective_checks, free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -165,9 +165,7 @@ def scenarios(rank, device, cuda_graphs=False):
         res["hook_error"] = str(e)
     res["hook_unchanged"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), w0))
     # the step graphs' collectives recognised in their generated wrappers (collective_reads_before_wait's check ran)
-    from forge_compile import capture
-    res["collectives_checked"] = capture.counters["collectives_checked"]
-    res["collectives_unchecked"] = capture.counters["collectives_unchecked"]
+    res.update(collective_checks())
     return res
 
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models import free_port
+from models import collective_checks, free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -242,13 +242,12 @@ def scenarios(rank, world, device, which="main"):
     brm.load_state_dict(bm.state_dict())
     bopt, bropt = adamw(bm.parameters()), adamw(brm.parameters())
     forge_backend.clear_reports()
-    compiled = torch.compile(bm, backend="forge", options={"optimizer": bopt})
+    bstep = make_step(torch.compile(bm, backend="forge", options={"optimizer": bopt}), bopt)
+    brstep = make_step(brm, bropt)
     for _ in range(2):
         idx, tgt = batch()
-        for mod, o in ((compiled, bopt), (brm, bropt)):
-            F.cross_entropy(mod(idx).flatten(0, 1), tgt.flatten()).backward()
-            o.step()
-            o.zero_grad()
+        bstep(idx, tgt)
+        brstep(idx, tgt)
     res["backend"] = dict(notes=[n for r in forge_backend.last_reports() for n in r.notes],
                           fused=sum(len(r.fused) for r in forge_backend.last_reports()),
                           diff=max((full(a) - full(b)).abs().max().item()
@@ -307,9 +306,7 @@ def scenarios(rank, world, device, which="main"):
         res["casts_error"] = str(e)
     res["casts_unchanged"] = all(torch.equal(full(a), b) for a, b in zip(m.parameters(), w0))
     # the wrapper check (collective_reads_before_wait) recognised the collectives in this device's generated code
-    from forge_compile import capture
-    res["collectives_checked"] = capture.counters["collectives_checked"]
-    res["collectives_unchecked"] = capture.counters["collectives_unchecked"]
+    res.update(collective_checks())
     return res
 
 

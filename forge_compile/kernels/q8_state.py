@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .stochastic_round import _hash32_t, element_key, hash32
+from .stochastic_round import element_bits, element_key, hash32
 
 __all__ = ["BLOCK", "E4M3_MAX", "state_element_key", "quantize", "dequantize", "reference_q8_update", "TRITON_Q8"]
 
@@ -79,8 +79,7 @@ def quantize(x: torch.Tensor, ekey: int) -> tuple[torch.Tensor, torch.Tensor]:
     t = a * _pow2(-ulp_exp)
     fl = torch.floor(t)
     idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
-    bits = _hash32_t(_hash32_t(idx & _M32) ^ ekey) >> 8
-    u = bits.to(torch.float32) * 2.0 ** -24
+    u = (element_bits(idx, ekey) >> 8).to(torch.float32) * 2.0 ** -24
     q = (fl + (u < t - fl).float()) * _pow2(ulp_exp)
     q = torch.clamp(q, max=E4M3_MAX)
     codes = torch.where(torch.isnan(y), y, torch.where(y < 0, -q, q))      # -0.0 stored as +0

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hash32", "round_key", "element_key", "element_key_t", "random_bits", "stochastic_round_bf16",
-           "stochastic_round_bf16_at", "table_row", "TABLE_KEY", "TRITON_SROUND", "GLUON_SROUND"]
+__all__ = ["hash32", "round_key", "element_key", "element_key_t", "element_bits", "random_bits",
+           "stochastic_round_bf16", "stochastic_round_bf16_at", "table_row", "TABLE_KEY", "TRITON_SROUND",
+           "GLUON_SROUND"]
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
@@ -94,10 +95,16 @@ def _hash32_t(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def element_bits(idx: torch.Tensor, ekey) -> torch.Tensor:
+    """The 32-bit hash of each element index ``idx`` (int64 tensor) under ``ekey`` (``element_key``: an int or a
+    0-dim int64 tensor), as int64 values in [0, 2**32): the spec's per-element bits, of which a rounding takes the
+    top ones (bf16: 16, kernels/q8_state.py: 24)."""
+    return _hash32_t(_hash32_t(idx & _M32) ^ ekey)
+
+
 def random_bits(idx: torch.Tensor, ekey) -> torch.Tensor:
-    """The 16 random bits of each element index ``idx`` (int64 tensor) under ``ekey`` (``element_key``: an int or
-    a 0-dim int64 tensor), as int64 values in [0, 2**16)."""
-    return _hash32_t(_hash32_t(idx & _M32) ^ ekey) >> 16
+    """The 16 random bits of each element index ``idx`` under ``ekey``, as int64 values in [0, 2**16)."""
+    return element_bits(idx, ekey) >> 16
 
 
 def stochastic_round_bf16(x: torch.Tensor, ekey) -> torch.Tensor:
