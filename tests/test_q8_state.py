@@ -1,6 +1,7 @@
 """kernels/q8_state.py, the spec of 8-bit block-wise states (e4m3 codes, one fp32 scale per 128 elements of a row,
 stochastic rounding): exact on its grid, within one code step, unbiased where round-to-nearest is not, and an AdamW
-with 8-bit states that follows torch.optim's fp32 AdamW (roadmap: no kernel uses it yet)."""
+with 8-bit states that follows torch.optim's fp32 AdamW (roadmap: the fused kernel, wgrad_update_q8, is tested against
+this spec in test_wgrad_update_q8.py; no capture option uses either yet)."""
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
-"""8-bit block-wise optimizer states: the spec (roadmap; no kernel and no capture option uses it yet).
+"""8-bit block-wise optimizer states: the spec (roadmap; kernels/wgrad_update_q8.py is its fused kernel, no capture
+option uses it yet).
 
 Why: from M = 2048 tokens on, the fused step's cost is moving W, m and v (24 bytes per element for fp32 AdamW;
 benchmarks/NOTES_kernel.md, stop 31). 8-bit m and v make it 12 + 2 x 4/128 bytes; with bf16 W (stochastic_rounding)
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .stochastic_round import element_bits, element_key, hash32
+from .stochastic_round import element_bits, element_key, hash32, stochastic_round_bf16
 
 __all__ = ["BLOCK", "E4M3_MAX", "state_element_key", "quantize", "dequantize", "reference_q8_update", "TRITON_Q8"]
 
@@ -93,12 +94,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def reference_q8_update(rule, param: torch.Tensor, grad: torch.Tensor, states: list, hparams: list, key: int,
                         salt: int) -> None:
-    """One update of ``param`` (fp32) by ``rule`` (optim.rule.Rule) with 8-bit states, in place: each tensor state
-    is a ``[codes, scales]`` list (replaced by the new ones), a scalar state (Adam's step) a tensor as today.
-    Dequantize, the rule in fp32 op for op as the unfused update, quantize each new tensor state with its own bits."""
+    """One update of ``param`` by ``rule`` (optim.rule.Rule) with 8-bit states, in place: each tensor state is a
+    ``[codes, scales]`` list (replaced by the new ones), a scalar state (Adam's step) a tensor as today. Dequantize,
+    the rule in fp32 op for op as the unfused update, quantize each new tensor state with its own bits. A bf16
+    ``param`` is updated in fp32 and stored stochastically rounded with ``element_key(key, salt)`` (the rounded
+    update's bits: stochastic_round.py), an fp32 one as computed."""
     ins = [s if rule.is_scalar_state(i) else dequantize(*s) for i, s in enumerate(states)]
-    out = rule.fn(param, grad.float(), *ins, *hparams)
-    param.copy_(out[0])
+    out = rule.fn(param.float(), grad.float(), *ins, *hparams)
+    if param.dtype == torch.bfloat16:
+        param.copy_(stochastic_round_bf16(out[0].contiguous(), element_key(key, salt)))
+    else:
+        param.copy_(out[0])
     for i, (s, new) in enumerate(zip(states, out[1:])):
         if rule.is_scalar_state(i):
             s.copy_(new)

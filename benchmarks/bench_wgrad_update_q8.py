@@ -1,0 +1,222 @@
+"""The fused update with 8-bit states (kernels/wgrad_update_q8.py) against the steps it would replace, one run:
+
+  python benchmarks/bench_wgrad_update_q8.py [--out DIR] [--shapes 4096x4096,...] [--ms 256,1024,...]
+                                             [--rules adamw,sgdm,lion] [--rep 25]
+
+Per case (bf16 activations, fp32 W), medians of triton's do_bench (warm-up, kernel launches only, host parts done
+once), all on the same inputs:
+- ``unfused fp32``: cuBLAS wgrad (bf16 in, fp32 out) + torch's fused AdamW / SGD (Lion: the rule eagerly) on fp32
+  states -- issue 5's baseline;
+- ``fused fp32``: forge's fp32 fused step (the default kernel: Gluon on sm_90);
+- ``unfused q8``: cuBLAS wgrad + the q8 update of that stored dW (the same kernel with FROM_GRAD): what 8-bit states
+  cost without fusion (a bitsandbytes-like step, our kernel);
+- ``fused q8`` per config of wgrad_update_q8.CONFIGS, and the best of them;
+- the q8 roofline floor: W read + written (8 bytes), each state's codes (2) and scales (8 / 128), dY and X once, at
+  4.27 TB/s -- or the GEMM at 686 TFLOP/s.
+Correctness first, in the same run: every config bitwise the spec (reference_wgrad_update_q8) on exact activations
+(integers / 8: dW exact in any summation order), and per timed case the fused q8 step vs the unfused q8 step on
+cuBLAS's dW (max |dW| difference and how many weights differ). A table is printed last; ``--out``: q8.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from forge_compile.kernels import q8_state as q8  # noqa: E402
+from forge_compile.kernels import wgrad_update_q8 as wq  # noqa: E402
+from forge_compile.kernels.stochastic_round import round_key  # noqa: E402
+from forge_compile.optim import rules as R  # noqa: E402
+
+BW, FLOPS = 4.27e12, 686e12     # the H200's measured copy bandwidth and bf16 dense peak (bench_wgrad_update.py)
+HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01)}
+
+
+def rule_of(kind):
+    return {"adamw": R.adamw_rule, "sgdm": lambda: R.sgd_rule(momentum=True), "lion": R.lion_rule}[kind]()
+
+
+def make_inputs(kind, n, k, m, seed=0, exact=False):
+    """W fp32, fp32 states and their 8-bit copies (quantized from the same values), bf16 dY^T and X."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rule = rule_of(kind)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    st32, st8 = [], []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            st32.append(torch.tensor(10.0))
+            st8.append(torch.tensor(10.0))
+            continue
+        if name == "exp_avg_sq":
+            s = torch.rand(n, k, device="cuda", generator=g) * 1e-4
+        else:
+            s = torch.randn(n, k, device="cuda", generator=g) * 1e-3
+        st32.append(s)
+        st8.append(list(q8.quantize(s, 1000 + i)))
+    if exact:
+        dy = (torch.randint(-4, 5, (m, n), device="cuda", generator=g).float() / 8).bfloat16()
+        x = (torch.randint(-4, 5, (m, k), device="cuda", generator=g).float() / 8).bfloat16()
+    else:
+        dy = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    hp = [torch.tensor(v, dtype=torch.float64) for v in HP[kind]]
+    return rule, w, dy.t(), x, st32, st8, hp
+
+
+def floor_q8_ms(rule, n, k, m):
+    n_tensor = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+    nbytes = (8 + n_tensor * (2 + 8 / q8.BLOCK)) * n * k + 2 * m * (n + k)
+    return max(nbytes / BW, 2 * n * k * m / FLOPS) * 1e3
+
+
+def wgrad_mm(dy_t, x):
+    return torch.mm(dy_t, x, out_dtype=torch.float32)
+
+
+def copy_states(st8):
+    return [[st[0].clone(), st[1].clone()] if isinstance(st, list) else st.clone() for st in st8]
+
+
+def check_exact(kind, configs, n=520, k=640, m=300):
+    """Every config (and the unfused q8 update) bitwise the spec over two steps, on exact activations."""
+    rule, w, dy_t, x, _, st8, hp = make_inputs(kind, n, k, m, seed=3, exact=True)
+    out = {}
+    for cfg in [*configs, "from_grad"]:
+        w_ref, st_ref = w.clone(), copy_states(st8)
+        w_k, st_k = w.clone(), copy_states(st8)
+        for step in range(2):
+            key = round_key(11, step)
+            g = wq.reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=2)
+            if cfg == "from_grad":
+                wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, grad=g)
+            else:
+                wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, config=cfg)
+        ok = torch.equal(w_k, w_ref)
+        for i, (a, b) in enumerate(zip(st_k, st_ref)):
+            if not rule.is_scalar_state(i):
+                ok = ok and torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+        out[cfg] = ok
+    return out
+
+
+def unfused_fp32(kind, rule, w, dy_t, x, st32, hp):
+    wb, sb = w.clone(), [s.clone() for s in st32]
+    h = [float(v) for v in HP[kind]]
+    if kind == "adamw":
+        stepb = torch.tensor(10.0, device="cuda")
+
+        def fn():
+            gr = wgrad_mm(dy_t, x)
+            torch._fused_adamw_([wb], [gr], [sb[1]], [sb[2]], [], [stepb], lr=h[0], beta1=h[1], beta2=h[2],
+                                weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False)
+    elif kind == "sgdm":
+        def fn():
+            gr = wgrad_mm(dy_t, x)
+            torch._fused_sgd_([wb], [gr], [sb[0]], weight_decay=0.0, momentum=h[1], lr=h[0], dampening=h[2],
+                              nesterov=False, maximize=False, is_first_step=False)
+    else:
+        def fn():
+            gr = wgrad_mm(dy_t, x)
+            with torch.no_grad():
+                rule.apply(wb, gr, sb, hp)
+    return fn
+
+
+def fused_fp32(rule, w, dy_t, x, st32, hp):
+    wb, sb = w.clone(), [s.clone() for s in st32]
+    try:
+        from forge_compile.kernels import wgrad_update_gluon as wg
+
+        return wg.bound_launch(wb, dy_t, x, sb, hp, rule), "gluon"
+    except Exception as e:  # noqa: BLE001 -- no Gluon here: the Triton kernel
+        from forge_compile.kernels import wgrad_update_triton as wt
+
+        return wt.bound_launch(wb, dy_t, x, sb, hp, rule), f"triton ({type(e).__name__})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default="4096x4096")
+    ap.add_argument("--ms", default="256,1024,2048,4096,8192")
+    ap.add_argument("--rules", default="adamw")
+    ap.add_argument("--configs", default=",".join(c for c in wq.CONFIGS if not c.startswith("interp")))
+    ap.add_argument("--rep", type=int, default=25)
+    args = ap.parse_args()
+    from triton.testing import do_bench
+
+    def t(fn):
+        return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
+
+    configs = args.configs.split(",")
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="minutes"), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=__import__("triton").__version__)
+    print(meta, flush=True)
+    checks = {kind: check_exact(kind, configs) for kind in args.rules.split(",")}
+    print("exactness (bitwise vs the spec, 2 steps):", checks, flush=True)
+    rows = []
+    for kind in args.rules.split(","):
+        for shape in args.shapes.split(","):
+            n, k = map(int, shape.split("x"))
+            for m in map(int, args.ms.split(",")):
+                rule, w, dy_t, x, st32, st8, hp = make_inputs(kind, n, k, m)
+                key = round_key(5, 0)
+                row = dict(rule=kind, n=n, k=k, m=m, floor_q8=floor_q8_ms(rule, n, k, m))
+                # fused vs unfused q8 on the same start: they differ only by the GEMM's summation order
+                w_a, st_a = w.clone(), copy_states(st8)
+                w_b, st_b = w.clone(), copy_states(st8)
+                wq.launch_wgrad_update_q8(w_a, dy_t, x, st_a, hp, rule, key=key, salt=1)
+                g = wgrad_mm(dy_t, x)
+                wq.launch_wgrad_update_q8(w_b, dy_t, x, st_b, hp, rule, key=key, salt=1, grad=g)
+                row["check_max_dw"] = (w_a - w_b).abs().max().item()
+                row["check_frac_w_differ"] = (w_a != w_b).float().mean().item()
+                row["unfused_fp32"] = t(unfused_fp32(kind, rule, w, dy_t, x, st32, hp))
+                fn, row["fused_fp32_kernel"] = fused_fp32(rule, w, dy_t, x, st32, hp)
+                row["fused_fp32"] = t(fn)
+                wu, su = w.clone(), copy_states(st8)
+                upd = wq.bound_launch(wu, dy_t, x, su, hp, rule, key=key, salt=1, grad=g)
+                row["unfused_q8"] = t(lambda: (wgrad_mm(dy_t, x), upd()))
+                row["mm"] = t(lambda: wgrad_mm(dy_t, x))
+                fused = {}
+                for cfg in configs:
+                    wf, sf = w.clone(), copy_states(st8)
+                    try:
+                        fused[cfg] = t(wq.bound_launch(wf, dy_t, x, sf, hp, rule, key=key, salt=1, config=cfg))
+                    except Exception as e:  # noqa: BLE001 -- a config that does not build (smem): reported
+                        fused[cfg] = f"{type(e).__name__}: {str(e)[:120]}"
+                row["fused_q8"] = fused
+                times = {c: v for c, v in fused.items() if isinstance(v, float)}
+                best = min(times, key=times.get)
+                row["best"], row["fused_q8_best"] = best, times[best]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "q8.json"), "w") as f:
+        json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
+    print(f"\n{meta}\n")
+    print("| rule | shape | M | unfused fp32 | fused fp32 | unfused q8 | fused q8 (best config) | floor q8 | "
+          "unfused fp32 / fused q8 | unfused q8 / fused q8 | fused fp32 / fused q8 | mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = r["fused_q8_best"]
+        print(f"| {r['rule']} | {r['n']}x{r['k']} | {r['m']} | {r['unfused_fp32']:.4f} | {r['fused_fp32']:.4f} | "
+              f"{r['unfused_q8']:.4f} | {b:.4f} ({r['best']}) | {r['floor_q8']:.4f} | "
+              f"{r['unfused_fp32'] / b:.2f}x | {r['unfused_q8'] / b:.2f}x | {r['fused_fp32'] / b:.2f}x | "
+              f"{r['mm']:.4f} |")
+    print("\nper config (ms):")
+    for r in rows:
+        print(r["rule"], f"{r['n']}x{r['k']}", r["m"],
+              " ".join(f"{c}={v:.4f}" if isinstance(v, float) else f"{c}=({v})" for c, v in r["fused_q8"].items()))
+    if not all(all(v.values()) for v in checks.values()):
+        print("EXACTNESS CHECK FAILED:", checks)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

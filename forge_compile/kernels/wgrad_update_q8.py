@@ -1,0 +1,343 @@
+"""The fused update with 8-bit block-wise optimizer states: the weight-gradient GEMM whose epilogue reads each tensor
+state as e4m3 codes times per-128-element scales (kernels/q8_state.py is the format's spec), runs the rule in fp32
+and stores the new states quantized again, stochastically rounded (roadmap: "8-bit block-wise optimizer states
+inside the same epilogue"; no capture option uses it yet).
+
+Why: from M = 2048 tokens on, the fp32 fused step's cost is moving W, m and v -- 24 bytes per element for AdamW,
+which under the H100/H200 power cap costs a constant ~0.09 ms per 4096x4096 weight whatever the schedule
+(benchmarks/RESULTS.md, "Where each target of issue 5 stands"). 8-bit m and v make it 8 + 2 x (2 + 8/128) bytes
+(fp32 W) or 4 + ... (bf16 W, stochastic rounding): fewer bytes is the lever a schedule is not.
+
+Spec (``reference_wgrad_update_q8``, plain torch; tests compare the kernel to it bitwise):
+    dW = dy_t.float() @ x.float()                 (or ``grad``: the unfused update of a stored dW, FROM_GRAD)
+    q8_state.reference_q8_update(rule, weight, dW, states, hparams, key, salt)
+i.e. each tensor state dequantized (codes x scale, one fp32 product), the rule on fp32 tiles as the unfused update
+computes it (epilogue_codegen: op for op), each new tensor state quantized with the bits of
+``state_element_key(key, salt, i)`` (i: its index in ``rule.states``), a bf16 weight stored stochastically rounded
+with ``element_key(key, salt)`` as forge::wgrad_update_rounded_ does. ``key`` is the step's (round_key(seed,
+counter)): a new one per step, else the same bits round every step the same way.
+
+Arguments: weight [N, K] fp32 or bf16 contiguous; dy_t [N, M], x [M, K] (any strides, bf16/fp16/fp32); states in
+``rule.states`` order, a tensor state as a (codes, scales) pair -- codes float8_e4m3fn [N, K] contiguous, scales fp32
+[N, ceil(K / 128)] contiguous --, a scalar state (Adam's step) a 0-dim fp32 CPU tensor; hparams 0-dim float64 CPU
+tensors. All updated in place.
+
+Tiles: BLOCK_K is a multiple of 128 (the column chunk of the epilogue, BLOCK_K / EPI_SPLIT, too) so every tile holds
+whole blocks of each row and a block's new absmax is a reduction inside the program. This is the first version:
+the plain Triton schedule (GEMM loop, then the epilogue), no TMA and no warp specialization;
+benchmarks/bench_wgrad_update_q8.py measures it against cuBLAS + the same update unfused (FROM_GRAD) and against
+the fp32 steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import torch
+
+from ..optim.rule import Rule, get_rule
+from . import q8_state
+from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .stochastic_round import TRITON_SROUND, element_key
+
+__all__ = ["reference_wgrad_update_q8", "launch_wgrad_update_q8", "empty_q8_state", "Q8Config", "CONFIGS",
+           "pick_config", "render_kernel_source"]
+
+
+def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: int, salt: int, grad=None):
+    """Plain-torch spec: dW materialized (or ``grad``), q8_state.reference_q8_update in place; a tensor state is a
+    mutable [codes, scales] list whose items are replaced. Returns dW (tests only)."""
+    g = grad.float() if grad is not None else dy_t.float() @ x.float()
+    with torch.no_grad():
+        q8_state.reference_q8_update(get_rule(rule), weight, g, states, hparams, key, salt)
+    return g
+
+
+def empty_q8_state(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero state for ``weight`` [N, K] in the kernel's format: (codes, scales), all zero (scale 0: a zero block)."""
+    n, k = weight.shape
+    return (torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=weight.device),
+            torch.zeros(n, -(-k // q8_state.BLOCK), dtype=torch.float32, device=weight.device))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernel template (epilogue_codegen's ``_rule`` at its head)
+
+_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + q8_state.TRITON_Q8 + '''
+
+@triton.jit
+def _ld_state(C, S, off, soff, mask, smask, BN: tl.constexpr, BK: tl.constexpr):
+    # the spec's dequantization: code x its block's scale, one fp32 product
+    c = tl.load(C + off, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + soff, mask=smask, other=0.0)
+    return c * tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BN, BK // 128, 128)), (BN, BK))
+
+
+@triton.jit
+def _st_state(C, S, x, off, soff, mask, smask, QKEY, BN: tl.constexpr, BK: tl.constexpr):
+    # elements outside the weight (a ragged last tile) must not enter their block's absmax: zeros, as the spec's
+    # padding of a short last block
+    code, scale = _q8_quantize(tl.where(mask, x, 0.0), off, QKEY, BN, BK)
+    tl.store(C + off, code.to(tl.float8e4nv), mask=mask)
+    tl.store(S + soff, scale, mask=smask)
+
+
+@triton.jit
+def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0,
+            BN: tl.constexpr, BK: tl.constexpr):
+    # int64 bases (N*K may exceed 2**31), element offsets as the spec's indices (row-major in the weight)
+    rn = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rb = tl.arange(0, BK // 128)
+    off = row0.to(tl.int64) * K + col0 + (rn[:, None] * K + rk[None, :])
+    mask = ((row0 + rn) < N)[:, None] & ((col0 + rk) < K)[None, :]
+    soff = row0.to(tl.int64) * NB + col0 // 128 + (rn[:, None] * NB + rb[None, :])
+    smask = ((row0 + rn) < N)[:, None] & ((col0 // 128 + rb) < NB)[None, :]
+    p = tl.load(W + off, mask=mask, other=0.0).to(tl.float32)
+{state_loads}
+    {new_vars} = _rule(p, g, {state_vars}{scalar_params}BN, BK)
+    if W.dtype.element_ty == tl.bfloat16:
+        # stochastic rounding: the pattern's low 16 bits are zero, so the cast is exact in any rounding mode
+        tl.store(W + off, _sround_bits({new_p}, off, EKEY).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(W + off, {new_p}, mask=mask)
+{state_stores}
+
+
+@triton.jit
+def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
+    # columns [0, BK/2) and [BK/2, BK) of a [BN, BK] tile
+    return tl.split(tl.permute(tl.reshape(t, [BN, 2, BK // 2]), [0, 2, 1]))
+
+
+# the keys never specialized: a key of 1 would become a constexpr
+@triton.jit(do_not_specialize=["EKEY", {qkey_names}])
+def wgrad_update_q8_kernel(
+    W, DYT, X, G, {q8_ptrs}EKEY, {qkey_params}{kernel_scalar_params}N, K, M, NB,
+    stride_dn, stride_dm, stride_xm, stride_xk, stride_gn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
+    EVEN_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, FROM_GRAD: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
+):
+    tl.static_assert((BLOCK_K // EPI_SPLIT) % 128 == 0)
+    # grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K (L2 reuse of the panels)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    in_group = GROUP_N * num_k
+    first_n = (pid // in_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + ((pid % in_group) % group_size)
+    pid_k = (pid % in_group) // group_size
+    row0 = pid_n * BLOCK_N
+    col0 = pid_k * BLOCK_K
+    rn = row0 + tl.arange(0, BLOCK_N)
+    rk = col0 + tl.arange(0, BLOCK_K)
+
+    if FROM_GRAD:
+        # the unfused update: dW read from G (fp32 [N, K], row stride stride_gn)
+        acc = tl.load(G + rn.to(tl.int64)[:, None] * stride_gn + rk[None, :],
+                      mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
+    else:
+        # out-of-range rows/cols wrap instead of being masked: the loop's loads stay unmasked in N and K, and
+        # the garbage rows/cols are never stored
+        rn_l = rn % N
+        rk_l = rk % K
+        rm = tl.arange(0, BLOCK_M)
+        a_ptrs = DYT + rn_l[:, None] * stride_dn + rm[None, :] * stride_dm
+        b_ptrs = X + rm[:, None] * stride_xm + rk_l[None, :] * stride_xk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            if EVEN_M:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(m0 + rm)[None, :] < M, other=0.0)
+                b = tl.load(b_ptrs, mask=(m0 + rm)[:, None] < M, other=0.0)
+            if UPCAST:
+                # fp32 activations, or the interpreter (its bf16 dot is wrong): an fp32 dot
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_M * stride_dm
+            b_ptrs += BLOCK_M * stride_xm
+
+    if EPI_SPLIT == 1:
+        _update(acc, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0, BLOCK_N, BLOCK_K)
+    else:
+        # two column chunks one after the other: one chunk's W/states/temporaries live at a time
+        tl.static_assert(EPI_SPLIT == 2)
+        g0, g1 = _halves(acc, BLOCK_N, BLOCK_K)
+        _update(g0, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0, BLOCK_N, BLOCK_K // 2)
+        _update(g1, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0 + BLOCK_K // 2,
+                BLOCK_N, BLOCK_K // 2)
+'''
+
+
+def render_kernel_source(ep: Epilogue) -> str:
+    """The kernel module for one rule's epilogue: each tensor state ``s`` is a pair of pointers ``S_C`` (codes),
+    ``S_S`` (scales) and a key ``QKEY_S``."""
+    states = ep.tensor_inputs[2:]
+    new_vars = [f"new_{v}" for v in states]
+    up = [s.upper() for s in states]
+    return _TEMPLATE.format(
+        **triton_fields(ep, False, "SCAL"), module="wgrad_update_q8",
+        q8_ptrs="".join(f"{u}_C, {u}_S, " for u in up),
+        qkey_params="".join(f"QKEY_{u}, " for u in up),
+        qkey_names=", ".join(f'"QKEY_{u}"' for u in up),
+        state_loads="\n".join(f"    {s} = _ld_state({u}_C, {u}_S, off, soff, mask, smask, BN, BK)"
+                              for s, u in zip(states, up)),
+        state_stores="\n".join(f"    _st_state({u}_C, {u}_S, {v}, off, soff, mask, smask, QKEY_{u}, BN, BK)"
+                               for u, v in zip(up, new_vars)),
+    )
+
+
+_KERNELS: dict[tuple[str, str], tuple[Epilogue, object]] = {}
+_KLOCK = threading.Lock()
+
+
+def _kernel_for(rule: Rule, target: str):
+    key = (rule.name, target)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        ep = compile_epilogue(rule, target)
+        mod = load_kernel_module(render_kernel_source(ep), ep.source_key + "_q8")
+        hit = (ep, mod.wgrad_update_q8_kernel)
+        with _KLOCK:
+            _KERNELS.setdefault(key, hit)
+    return hit
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+
+
+@dataclasses.dataclass(frozen=True)
+class Q8Config:
+    bn: int                 # BLOCK_N
+    bk: int                 # BLOCK_K (a multiple of 128 * split)
+    bm: int                 # BLOCK_M
+    group: int              # GROUP_N
+    warps: int
+    stages: int
+    split: int = 1          # EPI_SPLIT
+
+
+# First guesses, to be swept on the GPU (benchmarks/bench_wgrad_update_q8.py): the fp32 kernel's winners were 64x256
+# tiles in 64-column chunks and 128x128; here a chunk is at least 128 columns (whole blocks).
+CONFIGS: dict[str, Q8Config] = {
+    "interp": Q8Config(32, 128, 32, 8, 4, 1),
+    "interp_e2": Q8Config(16, 256, 32, 8, 4, 1, split=2),
+    "q64x128": Q8Config(64, 128, 64, 8, 4, 4),
+    "q64x128w8": Q8Config(64, 128, 64, 8, 8, 4),
+    "q128x128": Q8Config(128, 128, 64, 8, 8, 3),
+    "q64x256e2": Q8Config(64, 256, 64, 8, 8, 3, split=2),
+    "q128x256e2": Q8Config(128, 256, 64, 8, 8, 3, split=2),
+}
+
+
+def pick_config(n: int, k: int, m: int, interpret: bool) -> str:
+    """Not measured yet: the guess until bench_wgrad_update_q8's first GPU sweep."""
+    if interpret:
+        return "interp"
+    return "q64x256e2" if m <= 2048 else "q128x128"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_q8_states(weight, rule: Rule, states) -> tuple[list, list]:
+    """(tensor states as (codes, scales) pairs, scalar states), checked."""
+    if len(states) != len(rule.states):
+        raise ValueError(f"forge: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
+    n, k = weight.shape
+    nb = -(-k // q8_state.BLOCK)
+    pairs, scalars = [], []
+    for i, s in enumerate(states):
+        if rule.is_scalar_state(i):
+            scalars.append(s)
+            continue
+        ok = isinstance(s, (tuple, list)) and len(s) == 2
+        if ok:
+            c, sc = s
+            ok = (c.dtype == torch.float8_e4m3fn and c.shape == weight.shape and c.is_contiguous()
+                  and sc.dtype == torch.float32 and tuple(sc.shape) == (n, nb) and sc.is_contiguous()
+                  and c.device == weight.device == sc.device)
+        if not ok:
+            raise ValueError(f"forge: 8-bit state {rule.states[i]!r} of rule {rule.name!r} must be (codes "
+                             f"float8_e4m3fn [{n}, {k}], scales float32 [{n}, {nb}]), contiguous, on "
+                             f"{weight.device} (wgrad_update_q8.empty_q8_state)")
+        pairs.append((i, c, sc))
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        raise ValueError(f"forge: the weight must be a contiguous fp32 or bf16 (stochastic rounding) tensor, got "
+                         f"{weight.dtype}")
+    return pairs, scalars
+
+
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config):
+    from .wgrad_update_triton import fp32_dot_precision, host_scalars
+
+    n, k = weight.shape
+    pairs, scalar_states = check_q8_states(weight, rule, states)
+    interpret = not weight.is_cuda
+    if interpret and not _interpreting():
+        raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
+    scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
+    if grad is not None:
+        if grad.dtype != torch.float32 or grad.shape != weight.shape or grad.stride(1) != 1:
+            raise ValueError("forge: grad must be an fp32 [N, K] tensor with unit column stride")
+        dy_t = x = grad
+        m, upcast, prec = 1, False, "ieee"
+    else:
+        if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
+            raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
+                             f"{tuple(x.shape)} do not compose")
+        m = x.shape[0]
+        if m == 0:
+            # the GEMM is empty: dW = 0, the rule still runs (weight decay, moment decay)
+            dy_t = torch.zeros((n, 1), dtype=dy_t.dtype, device=dy_t.device)
+            x = torch.zeros((1, k), dtype=x.dtype, device=x.device)
+            m = 1
+        prec = fp32_dot_precision(dy_t, x)
+        upcast = interpret or prec != ""
+        prec = "tf32" if (not interpret and prec == "tf32") else "ieee"
+    cfg = CONFIGS[config or pick_config(n, k, m, interpret)]
+    if cfg.bk % (128 * cfg.split):
+        raise ValueError(f"forge: config {config!r}: BLOCK_K / EPI_SPLIT must be a multiple of 128")
+    ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
+    qkeys = [q8_state.state_element_key(key, salt, i) for i, _, _ in pairs]
+    grid = (-(-n // cfg.bn) * -(-k // cfg.bk),)
+    gmat = grad if grad is not None else weight
+    args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], ekey, *qkeys, *scalars,
+            n, k, m, -(-k // q8_state.BLOCK), dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
+            gmat.stride(0))
+    opts = dict(BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group, EVEN_M=(m % cfg.bm == 0),
+                UPCAST=upcast, DOT_PREC=prec, FROM_GRAD=grad is not None, EPI_SPLIT=cfg.split,
+                num_warps=cfg.warps, num_stages=cfg.stages,
+                # no FMA contraction: the epilogue spells out the FMAs eager torch's kernels contain
+                enable_fp_fusion=False)
+    return kernel, grid, args, opts, scalar_states, new_scalar_states
+
+
+def launch_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
+                           config: str | None = None) -> None:
+    """One fused update with 8-bit states (the module docstring); ``grad`` given: the update of that stored dW
+    (dy_t and x unused), as the unfused baseline and for parameters whose dW is not a GEMM's."""
+    kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
+                                                            config)
+    kernel[grid](*args, **opts)
+    # the scalar states advance once per launch, after the kernel consumed their old values
+    with torch.no_grad():
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+
+
+def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
+                 config: str | None = None):
+    """(benchmarks) A zero-argument callable that launches the kernel alone, host part done once; scalar states are
+    NOT advanced by it."""
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config)
+    return lambda: kernel[grid](*args, **opts)

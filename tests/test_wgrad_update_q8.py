@@ -1,0 +1,142 @@
+"""kernels/wgrad_update_q8.py, the fused update with 8-bit block-wise states, against its spec
+(reference_wgrad_update_q8 = q8_state.reference_q8_update on dW): bitwise, on the Triton interpreter and on CUDA.
+
+dW is made exact (small integers times powers of two in the activations, so every product and partial sum is exact
+in fp32 whatever the summation order): the kernel's GEMM and torch's matmul then give the same dW, and everything
+after it -- dequantization, the rule, the stochastic quantization, the weight's rounding -- must match bit for bit.
+The spec itself against torch.optim: tests/test_q8_state.py."""
+import contextlib
+
+import pytest
+import torch
+
+from interpreter import run_child
+from models import CorrectlyRoundedSqrt
+from forge_compile.kernels import q8_state as q8
+from forge_compile.kernels.stochastic_round import round_key
+from forge_compile.optim import rules
+
+HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01)}
+
+
+def _rule(kind):
+    return {"adamw": rules.adamw_rule, "sgdm": lambda: rules.sgd_rule(momentum=True), "lion": rules.lion_rule}[kind]()
+
+
+def _exact_act(shape, gen, dtype, device):
+    # integers in [-4, 4] times 2^-3: exact in bf16, every dot product of up to 2^16 of them exact in fp32
+    return (torch.randint(-4, 5, shape, generator=gen).float() / 8).to(dtype).to(device)
+
+
+def _case(kind, n, k, m, wdtype, act, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rule = _rule(kind)
+    w = torch.randn(n, k, generator=gen).to(wdtype)
+    states = []
+    for i, name in enumerate(rule.states):
+        if rule.is_scalar_state(i):
+            states.append(torch.tensor(10.0))
+        else:
+            # states spanning octaves (v's blocks hold values far below their absmax) and a block of zeros
+            v = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-12, -2, (n, k), generator=gen).float())
+            if name == "exp_avg_sq":
+                v = v.abs()
+            v[0, :min(k, 128)] = 0.0
+            states.append(list(q8.quantize(v, i + 100)))
+    dy = _exact_act((m, n), gen, act, device)
+    x = _exact_act((m, k), gen, act, device)
+    hp = [torch.tensor(v, dtype=torch.float64) for v in HP[kind]]
+    return rule, w.to(device), dy.t(), x, states, hp
+
+
+def _to(states, device):
+    # copies: tensor states as [codes, scales] lists (the spec replaces their items), scalar states as tensors
+    return [[st[0].to(device, copy=True), st[1].to(device, copy=True)] if isinstance(st, list) else st.clone()
+            for st in states]
+
+
+def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, from_grad=False, steps=2):
+    from forge_compile.kernels.wgrad_update_q8 import launch_wgrad_update_q8, reference_wgrad_update_q8
+
+    rule, w, dy_t, x, states, hp = _case(kind, n, k, m, wdtype, act, "cpu")
+    # the spec runs on the kernel's device: the CUDA epilogue is CUDA eager's arithmetic (epilogue_codegen), and
+    # on CPU torch's fp32 sqrt is not correctly rounded while the kernels' is (models.CorrectlyRoundedSqrt)
+    dy_t, x = dy_t.to(device), x.to(device)
+    w_ref, st_ref = w.to(device, copy=True), _to(states, device)
+    w_k, st_k = w.to(device, copy=True), _to(states, device)
+    for step in range(steps):
+        key = round_key(3, step)
+        with CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext():
+            g = reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5)
+        launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None,
+                               config=config)
+    bits = torch.int16 if wdtype == torch.bfloat16 else torch.int32
+    assert torch.equal(w_k.view(bits), w_ref.view(bits)), f"W differs in {(w_k != w_ref).sum().item()} elements"
+    for i, (a, b) in enumerate(zip(st_k, st_ref)):
+        if rule.is_scalar_state(i):
+            assert float(a) == float(b) == 10.0 + steps
+            continue
+        assert torch.equal(a[1], b[1]), f"scales of {rule.states[i]}"
+        assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)), f"codes of {rule.states[i]}"
+
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    run_child(__file__)
+
+
+# ragged shapes on purpose: N not a multiple of the tile's rows, K not of 128 (a short last block), M not of BLOCK_M
+@pytest.mark.parametrize("kind", ["adamw", "sgdm", "lion"])
+def test_interpreter_fused_q8_is_the_spec(interpret, kind):
+    _check_kernel_is_the_spec(kind, 40, 200, 50, torch.float32, torch.float32, "cpu")
+
+
+def test_interpreter_fused_q8_split_epilogue_and_bf16_weight(interpret):
+    _check_kernel_is_the_spec("adamw", 24, 384, 32, torch.bfloat16, torch.float32, "cpu", config="interp_e2")
+
+
+def test_interpreter_q8_update_of_a_stored_grad(interpret):
+    _check_kernel_is_the_spec("adamw", 33, 256, 16, torch.float32, torch.float32, "cpu", from_grad=True)
+
+
+def test_interpreter_empty_token_dim(interpret):
+    # M = 0: dW = 0, the rule still decays the states and the weight
+    _check_kernel_is_the_spec("adamw", 32, 128, 0, torch.float32, torch.float32, "cpu", steps=1)
+
+
+def test_bad_states_are_refused_before_any_launch():
+    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state, launch_wgrad_update_q8
+
+    rule = rules.adamw_rule()
+    w = torch.zeros(8, 200)
+    good = list(empty_q8_state(w))
+    assert good[1].shape == (8, 2) and good[0].dtype == torch.float8_e4m3fn
+    hp = [torch.tensor(v, dtype=torch.float64) for v in HP["adamw"]]
+    step = torch.tensor(0.0)
+    with pytest.raises(ValueError, match="8-bit state 'exp_avg_sq'"):
+        launch_wgrad_update_q8(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, good, torch.zeros(8, 200)], hp,
+                               rule, key=1, salt=0)
+    with pytest.raises(ValueError, match="8-bit state 'exp_avg'"):
+        launch_wgrad_update_q8(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, [good[0], good[1][:, :1]], good],
+                               hp, rule, key=1, salt=0)
+    assert float(step) == 0.0
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["adamw", "sgdm", "lion"])
+@pytest.mark.parametrize("config", [None, "q64x128", "q128x128", "q64x256e2", "q128x256e2"])
+def test_cuda_fused_q8_is_the_spec(kind, config):
+    _check_kernel_is_the_spec(kind, 200, 520, 300, torch.float32, torch.bfloat16, "cuda", config=config)
+
+
+@CUDA
+def test_cuda_fused_q8_bf16_weight_fp32_activations():
+    _check_kernel_is_the_spec("adamw", 130, 384, 96, torch.bfloat16, torch.float32, "cuda")
+
+
+@CUDA
+def test_cuda_q8_update_of_a_stored_grad():
+    _check_kernel_is_the_spec("adamw", 256, 1024, 64, torch.float32, torch.bfloat16, "cuda", from_grad=True)
