@@ -55,8 +55,9 @@ def _to(states, device):
             for st in states]
 
 
-def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, from_grad=False, steps=2):
+def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, from_grad=False, steps=2, cpu_path=False):
     from forge_compile.kernels.wgrad_update_q8 import launch_wgrad_update_q8, reference_wgrad_update_q8
+    from forge_compile.kernels.wgrad_update_q8 import wgrad_update_q8_cpu
 
     rule, w, dy_t, x, states, hp = _case(kind, n, k, m, wdtype, act, "cpu")
     # the spec runs on the kernel's device: the CUDA epilogue is CUDA eager's arithmetic (epilogue_codegen), and
@@ -68,8 +69,11 @@ def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, f
         key = round_key(3, step)
         with CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext():
             g = reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5)
-        launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None,
-                               config=config)
+            if cpu_path:
+                wgrad_update_q8_cpu(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None)
+        if not cpu_path:
+            launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None,
+                                   config=config)
     bits = torch.int16 if wdtype == torch.bfloat16 else torch.int32
     assert torch.equal(w_k.view(bits), w_ref.view(bits)), f"W differs in {(w_k != w_ref).sum().item()} elements"
     for i, (a, b) in enumerate(zip(st_k, st_ref)):
@@ -104,9 +108,33 @@ def test_interpreter_empty_token_dim(interpret):
     _check_kernel_is_the_spec("adamw", 32, 128, 0, torch.float32, torch.float32, "cpu", steps=1)
 
 
-def test_bad_states_are_refused_before_any_launch():
-    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state, launch_wgrad_update_q8
+@pytest.mark.parametrize("kind", ["adamw", "sgdm", "lion"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("from_grad", [False, True], ids=["gemm", "stored_grad"])
+def test_cpu_path_is_the_spec(monkeypatch, kind, wdtype, from_grad):
+    from forge_compile.kernels import wgrad_update_q8 as wq
 
+    # blocks of 3 rows of 200 columns: several blocks, a short last one
+    monkeypatch.setattr(wq, "CPU_BLOCK_BYTES", 3 * 200 * 4)
+    _check_kernel_is_the_spec(kind, 40, 200, 50, wdtype, torch.bfloat16, "cpu", from_grad=from_grad, cpu_path=True)
+
+
+def test_dispatch_runs_the_cpu_path_on_cpu(monkeypatch):
+    from forge_compile.kernels import wgrad_update_q8 as wq
+
+    monkeypatch.delenv("FORGE_TRITON_CPU", raising=False)
+    rule, w, dy_t, x, states, hp = _case("adamw", 8, 128, 4, torch.float32, torch.float32, "cpu")
+    calls = []
+    monkeypatch.setattr(wq, "wgrad_update_q8_cpu", lambda *a, **kw: calls.append(kw["key"]))
+    wq.wgrad_update_q8(w, dy_t, x, states, hp, rule.name, key=7, salt=0)
+    assert calls == [7]
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_bad_states_are_refused_before_any_launch(path):
+    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state, launch_wgrad_update_q8, wgrad_update_q8_cpu
+
+    launch = launch_wgrad_update_q8 if path == "triton" else wgrad_update_q8_cpu
     rule = rules.adamw_rule()
     w = torch.zeros(8, 200)
     good = list(empty_q8_state(w))
@@ -114,11 +142,11 @@ def test_bad_states_are_refused_before_any_launch():
     hp = [torch.tensor(v, dtype=torch.float64) for v in HP["adamw"]]
     step = torch.tensor(0.0)
     with pytest.raises(ValueError, match="8-bit state 'exp_avg_sq'"):
-        launch_wgrad_update_q8(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, good, torch.zeros(8, 200)], hp,
-                               rule, key=1, salt=0)
+        launch(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, good, torch.zeros(8, 200)], hp, rule, key=1,
+               salt=0)
     with pytest.raises(ValueError, match="8-bit state 'exp_avg'"):
-        launch_wgrad_update_q8(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, [good[0], good[1][:, :1]], good],
-                               hp, rule, key=1, salt=0)
+        launch(w, torch.zeros(8, 4), torch.zeros(4, 200), [step, [good[0], good[1][:, :1]], good], hp, rule,
+               key=1, salt=0)
     assert float(step) == 0.0
 
 

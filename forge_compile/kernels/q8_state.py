@@ -65,9 +65,10 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k + 127) << 23).to(torch.int32).view(torch.float32)
 
 
-def quantize(x: torch.Tensor, ekey: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, ekey: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (fp32, contiguous, at least 1-D: element i is ``x.view(-1)[i]``) as (codes float8_e4m3fn like ``x``,
-    scales fp32 ``[..., ceil(K / 128)]``), rounded stochastically with the bits of ``ekey`` (state_element_key)."""
+    scales fp32 ``[..., ceil(K / 128)]``), rounded stochastically with the bits of ``ekey`` (state_element_key).
+    ``start``: the index of ``x``'s first element in its state (``x`` a block of whole rows of it)."""
     x = x.float()
     k = x.shape[-1]
     scales = _blocks(x).abs().amax(dim=-1) / E4M3_MAX
@@ -79,7 +80,7 @@ def quantize(x: torch.Tensor, ekey: int) -> tuple[torch.Tensor, torch.Tensor]:
     ulp_exp = torch.clamp(e, min=-6) - 3
     t = a * _pow2(-ulp_exp)
     fl = torch.floor(t)
-    idx = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    idx = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
     u = (element_bits(idx, ekey) >> 8).to(torch.float32) * 2.0 ** -24
     q = (fl + (u < t - fl).float()) * _pow2(ulp_exp)
     q = torch.clamp(q, max=E4M3_MAX)

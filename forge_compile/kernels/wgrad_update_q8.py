@@ -41,8 +41,8 @@ from . import q8_state
 from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
 from .stochastic_round import TRITON_SROUND, element_key
 
-__all__ = ["reference_wgrad_update_q8", "launch_wgrad_update_q8", "empty_q8_state", "Q8Config", "CONFIGS",
-           "pick_config", "render_kernel_source"]
+__all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_cpu",
+           "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
 
 def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: int, salt: int, grad=None):
@@ -52,6 +52,18 @@ def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: 
     with torch.no_grad():
         q8_state.reference_q8_update(get_rule(rule), weight, g, states, hparams, key, salt)
     return g
+
+
+def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int, salt: int, grad=None) -> None:
+    """The update (the module docstring): the Triton kernel on CUDA tensors (or on CPU ones under the interpreter,
+    FORGE_TRITON_CPU=1), else the CPU path -- the same function, bitwise, on each device's arithmetic."""
+    from .wgrad_update import triton_on_cpu
+
+    r = get_rule(rule)
+    if weight.is_cuda or triton_on_cpu():
+        launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
+    else:
+        wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
 
 
 def empty_q8_state(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +241,8 @@ class Q8Config:
 CONFIGS: dict[str, Q8Config] = {
     "interp": Q8Config(32, 128, 32, 8, 4, 1),
     "interp_e2": Q8Config(16, 256, 32, 8, 4, 1, split=2),
+    "q32x128": Q8Config(32, 128, 64, 8, 4, 3),        # small tiles: more programs per SM streaming at M <= 1024
+    "q64x128s2": Q8Config(64, 128, 64, 8, 4, 2),
     "q64x128": Q8Config(64, 128, 64, 8, 4, 4),
     "q64x128w8": Q8Config(64, 128, 64, 8, 8, 4),
     "q128x128": Q8Config(128, 128, 64, 8, 8, 3),
@@ -341,3 +355,57 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt
     NOT advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config)
     return lambda: kernel[grid](*args, **opts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the CPU path
+
+
+# dW bytes per CPU block (whole rows: 128-blocks lie inside rows), as wgrad_update_cpu's blocks: cache-sized
+CPU_BLOCK_BYTES = 2 << 20
+
+
+def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None) -> None:
+    """The spec one block of whole rows at a time (dW never whole): the same torch ops on each block, each block's
+    elements quantized and rounded with their indices in the parameter, so the result is the spec's bit for bit."""
+    from .stochastic_round import stochastic_round_bf16_at
+
+    pairs, scalar_states = check_q8_states(weight, rule, states)
+    n, k = weight.shape
+    if grad is None and (dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k
+                         or dy_t.shape[1] != x.shape[0]):
+        raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
+                         f"{tuple(x.shape)} do not compose")
+    rows = max(1, CPU_BLOCK_BYTES // (4 * k))
+    tensor_idx = [i for i, _, _ in pairs]
+    ekey = element_key(key, salt)
+    qkeys = [q8_state.state_element_key(key, salt, i) for i in tensor_idx]
+    xf = x.float() if grad is None else None
+    new_scalars = None
+    with torch.no_grad():
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            g = grad[r0:r1].float() if grad is not None else dy_t[r0:r1].float() @ xf
+            ins, t = [], 0
+            for i in range(len(rule.states)):
+                if rule.is_scalar_state(i):
+                    ins.append(states[i])
+                else:
+                    _, c, sc = pairs[t]
+                    ins.append(q8_state.dequantize(c[r0:r1], sc[r0:r1]))
+                    t += 1
+            out = rule.fn(weight[r0:r1].float(), g, *ins, *hparams)
+            if weight.dtype == torch.bfloat16:
+                idx = torch.arange(r0 * k, r1 * k, dtype=torch.int64).view(r1 - r0, k)
+                weight[r0:r1] = stochastic_round_bf16_at(out[0].contiguous(), idx, ekey)
+            else:
+                weight[r0:r1] = out[0]
+            for (i, c, sc), qk in zip(pairs, qkeys):
+                codes, scales = q8_state.quantize(out[1 + i].contiguous(), qk, start=r0 * k)
+                c[r0:r1] = codes
+                sc[r0:r1] = scales
+            if new_scalars is None:
+                # every block computes the same new scalar states from the old ones: advanced after the loop
+                new_scalars = [out[1 + i] for i in range(len(rule.states)) if rule.is_scalar_state(i)]
+        for s, v in zip(scalar_states, new_scalars or []):
+            s.copy_(v)
