@@ -130,6 +130,28 @@ def test_dispatch_runs_the_cpu_path_on_cpu(monkeypatch):
     assert calls == [7]
 
 
+def test_the_op_is_the_direct_call():
+    # forge::wgrad_update_q8_: codes, scales and scalar states as separate lists, the step's key as a tensor; the
+    # same as wgrad_update_q8 called directly (no sqrt mode here: a torch function mode is off inside an op's impl)
+    from forge_compile.kernels.wgrad_update_q8 import wgrad_update_q8
+
+    rule, w, dy_t, x, states, hp = _case("adamw", 24, 256, 16, torch.float32, torch.bfloat16, "cpu")
+    w_ref, st_ref = w.clone(), _to(states, "cpu")
+    st = _to(states, "cpu")
+    codes = [s[0] for s in st if isinstance(s, list)]
+    scales = [s[1] for s in st if isinstance(s, list)]
+    scalars = [s for s in st if not isinstance(s, list)]
+    wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key=round_key(1, 2), salt=3)
+    torch.ops.forge.wgrad_update_q8_(w, dy_t, x, codes, scales, scalars, hp, rule.name, torch.tensor(round_key(1, 2)),
+                                     3)
+    assert not torch.equal(w, _case("adamw", 24, 256, 16, torch.float32, torch.bfloat16, "cpu")[1])
+    assert torch.equal(w, w_ref) and float(scalars[0]) == float(st_ref[0]) == 11.0
+    for c, sc, ref in zip(codes, scales, [s for s in st_ref if isinstance(s, list)]):
+        assert torch.equal(sc, ref[1]) and torch.equal(c.view(torch.uint8), ref[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="takes 2 .codes, scales. pairs and 1 scalar states"):
+        torch.ops.forge.wgrad_update_q8_(w, dy_t, x, codes[:1], scales[:1], scalars, hp, rule.name, torch.tensor(1), 3)
+
+
 @pytest.mark.parametrize("path", ["triton", "cpu"])
 def test_bad_states_are_refused_before_any_launch(path):
     from forge_compile.kernels.wgrad_update_q8 import empty_q8_state, launch_wgrad_update_q8, wgrad_update_q8_cpu

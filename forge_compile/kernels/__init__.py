@@ -3,6 +3,7 @@ from . import embedding_update as _embedding_update  # noqa: F401  (registers fo
 from . import rule_update as _rule_update  # noqa: F401  (registers forge::rule_update_)
 from . import wgrad_update_group as _wgrad_update_group  # noqa: F401  (registers forge::wgrad_update_group(_table)_)
 from . import wgrad_norm as _wgrad_norm  # noqa: F401  (registers forge::wgrad_sqnorm, embedding_sqnorm, host_scalar)
+from . import wgrad_update_q8 as _wgrad_update_q8  # noqa: F401  (registers forge::wgrad_update_q8_)
 from .wgrad_update import reference_wgrad_update, wgrad_update
 
 __all__ = ["epilogue_supported", "reference_wgrad_update", "wgrad_update"]

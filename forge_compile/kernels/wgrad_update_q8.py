@@ -36,6 +36,7 @@ import threading
 
 import torch
 
+from .. import _compat
 from ..optim.rule import Rule, get_rule
 from . import q8_state
 from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
@@ -409,3 +410,43 @@ def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: in
                 new_scalars = [out[1 + i] for i in range(len(rule.states)) if rule.is_scalar_state(i)]
         for s, v in zip(scalar_states, new_scalars or []):
             s.copy_(v)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the op: forge::wgrad_update_q8_ (for the capture passes; registered like forge::wgrad_update_, see wgrad_update.py
+# for why torch.library.Library and not custom_op). The tensor states travel as two lists -- codes and scales, in the
+# rule's order of its tensor states -- and the scalar states as a third, so the schema's aliasing is per list.
+
+_LIB = torch.library.Library("forge", "FRAGMENT")
+# cudagraph_unsafe: the launch computes host scalars from the step counter (wgrad_update.py says why)
+_LIB.define(
+    "wgrad_update_q8_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+    "Tensor(d!)[] scalar_states, Tensor[] hparams, str rule, Tensor round_key, int round_salt, Tensor? grad=None) -> ()",
+    tags=_compat.cudagraph_unsafe_tags())
+
+
+def _states(rule: Rule, codes, scales, scalar_states) -> list:
+    it_t, it_s, out = iter(zip(codes, scales)), iter(scalar_states), []
+    for i in range(len(rule.states)):
+        out.append(next(it_s) if rule.is_scalar_state(i) else next(it_t))
+    return out
+
+
+def wgrad_update_q8_(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
+    r = get_rule(rule)
+    n_tensor = sum(1 for i in range(len(r.states)) if not r.is_scalar_state(i))
+    if len(codes) != n_tensor or len(scales) != n_tensor or len(scalar_states) != len(r.states) - n_tensor:
+        raise ValueError(f"forge::wgrad_update_q8_: rule {rule!r} takes {n_tensor} (codes, scales) pairs and "
+                         f"{len(r.states) - n_tensor} scalar states, got {len(codes)}, {len(scales)}, "
+                         f"{len(scalar_states)}")
+    wgrad_update_q8(weight, dy_t, x, _states(r, codes, scales, scalar_states), hparams, rule, key=int(round_key),
+                    salt=round_salt, grad=grad)
+    torch.autograd.graph.increment_version([weight, *codes, *scales, *scalar_states])
+
+
+_LIB.impl("wgrad_update_q8_", wgrad_update_q8_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_q8_", lib=_LIB)
+def _(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
+    return None
