@@ -53,6 +53,22 @@ def test_every_value_within_one_code_step_and_in_range():
         assert ((c.float() - y) * torch.sign(y) <= _code_step(y)).all()
 
 
+def test_signed_zero_tiny_and_device_independent_scales():
+    # a negative value far below its block's smallest code rounds to -0 (0x80, torch's cast of -0.0; triton 3.6's
+    # unary minus would give +0 -- the kernel multiplies by -1); a block whose absmax / 448 is below 2^-126 is zeros;
+    # scales are absmax / 448 correctly rounded (a CUDA tensor divided by a Python scalar is multiplied by its
+    # rounded reciprocal instead, which the kernels' div_rn would not match)
+    x = torch.zeros(3, q8.BLOCK)
+    x[0, 0], x[0, 1] = 448.0, -1e-12
+    x[1, 0] = 1e-40
+    x[2] = torch.linspace(-3.0, 7.0, q8.BLOCK)
+    for key in range(3):
+        c, s = q8.quantize(x, key)
+        assert c.view(torch.uint8)[0, 1] == 0x80 and s[0] == 1.0
+        assert s[1] == 0 and (c[1].float() == 0).all()
+        assert s[2] == torch.tensor(7.0, dtype=torch.float64).div(448).float()
+
+
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not():
     # one block whose values sit a quarter step above a grid point: round to nearest always rounds them down
     # (a bias of -1/4 step), stochastic rounding reaches the value on average

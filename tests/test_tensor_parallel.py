@@ -339,7 +339,18 @@ class Expect:
 
     def __call__(self, ok, context):
         if not ok:
-            self.failed.append(repr(context)[:3000])
+            # the failing line's source first: a truncated context alone does not say which expectation it was
+            import linecache
+            import sys
+
+            f = sys._getframe(1)
+            line = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+            ctx = context
+            if isinstance(context, dict) and "fused" in context:
+                # a fused-set check: what is missing and why, ahead of the rest
+                ctx = {"not fused": sorted(set(SHARDED) - set(context["fused"])),
+                       "unfused": context.get("unfused"), **context}
+            self.failed.append(f"line {f.f_lineno}: {line}\n    {repr(ctx)[:3000]}")
 
     def done(self):
         assert not self.failed, f"{len(self.failed)} expectations failed:\n" + "\n".join(self.failed)

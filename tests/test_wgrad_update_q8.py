@@ -177,7 +177,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 @CUDA
 @pytest.mark.parametrize("kind", ["adamw", "sgdm", "lion"])
-@pytest.mark.parametrize("config", [None, "q64x128", "q128x128", "q64x256e2", "q128x256e2"])
+@pytest.mark.parametrize("config", [None, "q16x128", "q64x128", "q128x128", "q32x256e2w8", "q128x256e2"])
 def test_cuda_fused_q8_is_the_spec(kind, config):
     _check_kernel_is_the_spec(kind, 200, 520, 300, torch.float32, torch.bfloat16, "cuda", config=config)
 

@@ -18,13 +18,18 @@ keeps E[dequantized] = the fp32 value. The bits are stochastic_round.py's hash (
 kernel, the CPU path and this reference) under a key of the step, the parameter's salt and the state's index
 (``state_element_key``), 24 bits per element:
 
-    y = x / scale;  e = max(exponent(|y|), -6);  ulp = 2^(e - 3)      (e4m3: 3 mantissa bits, subnormals below 2^-6)
+    scale = absmax / 448, 0 where that is below 2^-126 (a block of ~1e-36 values is stored as zeros: 1 / scale
+    stays finite);  inv = 1 / scale (0 for a zero block);  y = x * inv
+    e = max(exponent(|y|), -6);  ulp = 2^(e - 3)      (e4m3: 3 mantissa bits, subnormals below 2^-6)
     t = |y| / ulp;  q = (floor(t) + (u < t - floor(t))) x ulp,  u = (bits >> 8) / 2^24;  code = sign(y) x min(q, 448)
 
-Every step is exact in fp32 (ulp is a power of two), so a kernel computing the same ops gets the same codes. The
-clamp at 448 only matters where x / scale rounds a hair above 448 (a block's absmax element). A non-finite state
-element makes its block's scale non-finite (every value of the block NaN after dequantization), as it would spoil
-the fp32 state's next update anyway.
+Each step is one IEEE operation in fp32 (the divisions tensor by tensor: torch divides a CUDA tensor by a scalar as a
+multiplication by its reciprocal, which a kernel's division would not match; ulp is a power of two), so a kernel
+computing the same ops gets the same codes on any device. One division per block and a multiplication per element,
+not a division per element: the fused kernel's epilogue is instruction-bound (stop 42, H100). The clamp at 448 only
+matters where x * inv rounds a hair above 448 (a block's absmax element). A non-finite state element makes its
+block's scale non-finite (every value of the block NaN after dequantization), as it would spoil the fp32 state's next
+update anyway. A negative value that rounds to zero is stored as -0 (e4m3's 0x80), as torch's cast of -0.0.
 """
 from __future__ import annotations
 
@@ -71,9 +76,12 @@ def quantize(x: torch.Tensor, ekey: int, start: int = 0) -> tuple[torch.Tensor, 
     ``start``: the index of ``x``'s first element in its state (``x`` a block of whole rows of it)."""
     x = x.float()
     k = x.shape[-1]
-    scales = _blocks(x).abs().amax(dim=-1) / E4M3_MAX
-    s = _expand(scales, k)
-    y = torch.where(s == 0, torch.zeros_like(x), x / s)
+    amax = _blocks(x).abs().amax(dim=-1)
+    scales = amax / torch.full_like(amax, E4M3_MAX)
+    scales = torch.where(scales < 2.0 ** -126, torch.zeros_like(scales), scales)
+    inv = torch.where(scales == 0, torch.zeros_like(scales),
+                      torch.ones_like(scales) / torch.where(scales == 0, torch.ones_like(scales), scales))
+    y = x * _expand(inv, k)
     a = y.abs()
     # the exponent of |y| from its bit pattern (0 for zeros and subnormal fp32, which the max(-6) covers)
     e = ((a.view(torch.int32) >> 23) & 0xFF) - 127     # int32
@@ -84,7 +92,7 @@ def quantize(x: torch.Tensor, ekey: int, start: int = 0) -> tuple[torch.Tensor, 
     u = (element_bits(idx, ekey) >> 8).to(torch.float32) * 2.0 ** -24
     q = (fl + (u < t - fl).float()) * _pow2(ulp_exp)
     q = torch.clamp(q, max=E4M3_MAX)
-    codes = torch.where(torch.isnan(y), y, torch.where(y < 0, -q, q))      # -0.0 stored as +0
+    codes = torch.where(torch.isnan(y), y, torch.where(y < 0, -q, q))
     return codes.to(torch.float8_e4m3fn), scales
 
 
@@ -117,15 +125,18 @@ def reference_q8_update(rule, param: torch.Tensor, grad: torch.Tensor, states: l
 # [BN, BK] fp32 tile of a state whose columns are whole blocks (BK a multiple of 128, the tile's first column one of
 # 128), ``off`` the elements' int64 offsets in the state, ``ekey`` state_element_key as an int32. Returns the codes
 # (fp32 values on e4m3's grid: the store's conversion to float8e4nv is exact) and the [BN, BK // 128] scales. 2^k is
-# built from its bit pattern and the division is correctly rounded, so every value is the torch spec's.
+# built from its bit pattern and the divisions are correctly rounded, so every value is the torch spec's. The sign
+# is a multiplication by -1: triton 3.6's unary minus is 0 - x, which makes -0.0 of a negative value rounded to zero
+# +0.0 (CUDA, stop 42).
 TRITON_Q8 = '''
 
 @triton.jit
 def _q8_quantize(x, off, ekey, BN: tl.constexpr, BK: tl.constexpr):
     amax = tl.max(tl.reshape(tl.abs(x), (BN, BK // 128, 128)), axis=2)
     scale = tl.math.div_rn(amax, tl.full((), 448.0, tl.float32))
-    s = tl.reshape(tl.broadcast_to(tl.expand_dims(scale, 2), (BN, BK // 128, 128)), (BN, BK))
-    y = tl.where(s == 0, 0.0, tl.math.div_rn(x, tl.where(s == 0, 1.0, s)))
+    scale = tl.where(scale < 1.1754943508222875e-38, 0.0, scale)
+    inv = tl.where(scale == 0, 0.0, tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale == 0, 1.0, scale)))
+    y = x * tl.reshape(tl.broadcast_to(tl.expand_dims(inv, 2), (BN, BK // 128, 128)), (BN, BK))
     a = tl.abs(y)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     ulp_exp = tl.maximum(e, -6) - 3
@@ -135,6 +146,6 @@ def _q8_quantize(x, off, ekey, BN: tl.constexpr, BK: tl.constexpr):
     u = r.to(tl.float32) * 5.9604644775390625e-08
     q = (fl + tl.where(u < t - fl, 1.0, 0.0)) * ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
     q = tl.minimum(q, 448.0)
-    code = tl.where(y != y, y, tl.where(y < 0, -q, q))
+    code = tl.where(y != y, y, tl.where(y < 0, q * -1.0, q))
     return code, scale
 '''

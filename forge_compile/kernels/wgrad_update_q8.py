@@ -237,12 +237,16 @@ class Q8Config:
     split: int = 1          # EPI_SPLIT
 
 
-# First guesses, to be swept on the GPU (benchmarks/bench_wgrad_update_q8.py): the fp32 kernel's winners were 64x256
-# tiles in 64-column chunks and 128x128; here a chunk is at least 128 columns (whole blocks).
+# Swept on an H100 (stop 42, benchmarks/RESULTS.md "8-bit states"): the epilogue is instruction- and register-bound,
+# so what matters is elements per thread -- 32 per tile tensor (q32x128 with 4 warps, q64x128w8 with 8) beat 64 (the
+# 4-warp 64x128 tiles: 2.9x slower for AdamW's two states, spilling), while one-state rules take bigger tiles.
 CONFIGS: dict[str, Q8Config] = {
     "interp": Q8Config(32, 128, 32, 8, 4, 1),
     "interp_e2": Q8Config(16, 256, 32, 8, 4, 1, split=2),
-    "q32x128": Q8Config(32, 128, 64, 8, 4, 3),        # small tiles: more programs per SM streaming at M <= 1024
+    "q16x128": Q8Config(16, 128, 64, 8, 4, 3),
+    "q32x128": Q8Config(32, 128, 64, 8, 4, 3),
+    "q32x128w8": Q8Config(32, 128, 64, 8, 8, 3),
+    "q32x256e2w8": Q8Config(32, 256, 64, 8, 8, 3, split=2),
     "q64x128s2": Q8Config(64, 128, 64, 8, 4, 2),
     "q64x128": Q8Config(64, 128, 64, 8, 4, 4),
     "q64x128w8": Q8Config(64, 128, 64, 8, 8, 4),
@@ -252,11 +256,16 @@ CONFIGS: dict[str, Q8Config] = {
 }
 
 
-def pick_config(n: int, k: int, m: int, interpret: bool) -> str:
-    """Not measured yet: the guess until bench_wgrad_update_q8's first GPU sweep."""
+def pick_config(n: int, k: int, m: int, interpret: bool, n_states: int = 2) -> str:
+    """By token count and number of tensor states, from the stop-42 H100 sweep (AdamW and SGD-m / Lion, 4096x4096;
+    the 14336-wide shapes picked the same)."""
     if interpret:
         return "interp"
-    return "q64x256e2" if m <= 2048 else "q128x128"
+    if m <= 256:
+        return "q32x128"
+    if n_states >= 2:
+        return "q64x128w8"
+    return "q64x128" if m <= 2048 else "q128x128"
 
 
 def _interpreting() -> bool:
@@ -319,7 +328,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
         prec = fp32_dot_precision(dy_t, x)
         upcast = interpret or prec != ""
         prec = "tf32" if (not interpret and prec == "tf32") else "ieee"
-    cfg = CONFIGS[config or pick_config(n, k, m, interpret)]
+    cfg = CONFIGS[config or pick_config(n, k, m, interpret, len(pairs))]
     if cfg.bk % (128 * cfg.split):
         raise ValueError(f"forge: config {config!r}: BLOCK_K / EPI_SPLIT must be a multiple of 128")
     ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
