@@ -124,7 +124,8 @@ def reference_q8_update(rule, param: torch.Tensor, grad: torch.Tensor, states: l
 # The same in Triton, for a kernel epilogue (spliced after stochastic_round.TRITON_SROUND, whose _hash32 it uses): a
 # [BN, BK] fp32 tile of a state whose columns are whole blocks (BK a multiple of 128, the tile's first column one of
 # 128), ``off`` the elements' int64 offsets in the state, ``ekey`` state_element_key as an int32. Returns the codes
-# (fp32 values on e4m3's grid: the store's conversion to float8e4nv is exact) and the [BN, BK // 128] scales. 2^k is
+# (fp32 values on e4m3's grid: the store's conversion to float8e4nv is exact) and the [BN, BK // 128] scales (BK = 128,
+# the fused kernel's epilogue chunks: a [BN, 1] column). 2^k is
 # built from its bit pattern and the divisions are correctly rounded, so every value is the torch spec's. The sign
 # is a multiplication by -1: triton 3.6's unary minus is 0 - x, which makes -0.0 of a negative value rounded to zero
 # +0.0 (CUDA, stop 42).
@@ -132,11 +133,18 @@ TRITON_Q8 = '''
 
 @triton.jit
 def _q8_quantize(x, off, ekey, BN: tl.constexpr, BK: tl.constexpr):
-    amax = tl.max(tl.reshape(tl.abs(x), (BN, BK // 128, 128)), axis=2)
+    if BK == 128:
+        # one block per row: a row reduction and a [BN, 1] column, no 3-D reshapes (layout conversions)
+        amax = tl.max(tl.abs(x), axis=1)[:, None]
+    else:
+        amax = tl.max(tl.reshape(tl.abs(x), (BN, BK // 128, 128)), axis=2)
     scale = tl.math.div_rn(amax, tl.full((), 448.0, tl.float32))
     scale = tl.where(scale < 1.1754943508222875e-38, 0.0, scale)
     inv = tl.where(scale == 0, 0.0, tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.where(scale == 0, 1.0, scale)))
-    y = x * tl.reshape(tl.broadcast_to(tl.expand_dims(inv, 2), (BN, BK // 128, 128)), (BN, BK))
+    if BK == 128:
+        y = x * inv
+    else:
+        y = x * tl.reshape(tl.broadcast_to(tl.expand_dims(inv, 2), (BN, BK // 128, 128)), (BN, BK))
     a = tl.abs(y)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     ulp_exp = tl.maximum(e, -6) - 3

@@ -84,7 +84,10 @@ def _ld_state(C, S, off, soff, mask, smask, BN: tl.constexpr, BK: tl.constexpr):
     # the spec's dequantization: code x its block's scale, one fp32 product
     c = tl.load(C + off, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + soff, mask=smask, other=0.0)
-    return c * tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BN, BK // 128, 128)), (BN, BK))
+    if BK == 128:
+        return c * s            # s is a [BN, 1] column
+    else:
+        return c * tl.reshape(tl.broadcast_to(tl.expand_dims(s, 2), (BN, BK // 128, 128)), (BN, BK))
 
 
 @triton.jit
