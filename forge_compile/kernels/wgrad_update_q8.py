@@ -24,9 +24,12 @@ tensors. All updated in place.
 
 Tiles: BLOCK_K is a multiple of 128 (the column chunk of the epilogue, BLOCK_K / EPI_SPLIT, too) so every tile holds
 whole blocks of each row and a block's new absmax is a reduction inside the program. This is the first version:
-the plain Triton schedule (GEMM loop, then the epilogue), no TMA and no warp specialization;
-benchmarks/bench_wgrad_update_q8.py measures it against cuBLAS + the same update unfused (FROM_GRAD) and against
-the fp32 steps.
+the plain Triton schedule (GEMM loop, then the epilogue), no TMA and no warp specialization. Measured (H100, stop 42,
+benchmarks/RESULTS.md "8-bit block-wise states"; bench_wgrad_update_q8.py): bitwise the spec on CUDA, but the fused
+AdamW step is SLOWER than the unfused 8-bit step (cuBLAS + this kernel's FROM_GRAD update, 0.50-0.75x) and than
+forge's fused fp32 step (0.45-0.80x): the epilogue, serialized after the GEMM with the accumulator live, runs
+register-bound. The FROM_GRAD update alone streams well (the unfused 8-bit step 1.42x the unfused fp32 step at
+M = 256). The fused 8-bit step's road is the Gluon kernel's epilogue warpgroups, not this schedule.
 """
 from __future__ import annotations
 
@@ -240,9 +243,9 @@ class Q8Config:
     split: int = 1          # EPI_SPLIT
 
 
-# Swept on an H100 (stop 42, benchmarks/RESULTS.md "8-bit states"): the epilogue is instruction- and register-bound,
-# so what matters is elements per thread -- 32 per tile tensor (q32x128 with 4 warps, q64x128w8 with 8) beat 64 (the
-# 4-warp 64x128 tiles: 2.9x slower for AdamW's two states, spilling), while one-state rules take bigger tiles.
+# Swept on an H100 (stop 42, benchmarks/RESULTS.md "8-bit block-wise states"): the epilogue is register-bound, so
+# what matters is elements per thread -- 32 or fewer per tile tensor (q32x128w8, q64x128w8 with 8 warps) against 64
+# (the 4-warp 64x128 tiles: ~2.7x slower for AdamW's two states, spilling), while one-state rules take bigger tiles.
 CONFIGS: dict[str, Q8Config] = {
     "interp": Q8Config(32, 128, 32, 8, 4, 1),
     "interp_e2": Q8Config(16, 256, 32, 8, 4, 1, split=2),
@@ -259,15 +262,20 @@ CONFIGS: dict[str, Q8Config] = {
 }
 
 
-def pick_config(n: int, k: int, m: int, interpret: bool, n_states: int = 2) -> str:
-    """By token count and number of tensor states, from the stop-42 H100 sweep (AdamW and SGD-m / Lion, 4096x4096;
-    the 14336-wide shapes picked the same)."""
+def pick_config(n: int, k: int, m: int, interpret: bool, n_states: int = 2, from_grad: bool = False) -> str:
+    """By token count and number of tensor states, from the stop-42 H100 sweep (RESULTS.md "8-bit block-wise
+    states", v2: AdamW and SGD-m, 4096x4096; v1 picked the same on the 14336-wide shapes). The update of a stored dW
+    (``from_grad``) is a plain stream: the smallest footprint per thread wins."""
     if interpret:
         return "interp"
+    if from_grad:
+        return "q16x128" if n_states >= 2 else "q32x128"
+    if n_states >= 2:
+        if m <= 256:
+            return "q32x128w8"
+        return "q64x128w8" if m <= 4096 else "q128x256e2"
     if m <= 256:
         return "q32x128"
-    if n_states >= 2:
-        return "q64x128w8"
     return "q64x128" if m <= 2048 else "q128x128"
 
 
@@ -331,7 +339,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
         prec = fp32_dot_precision(dy_t, x)
         upcast = interpret or prec != ""
         prec = "tf32" if (not interpret and prec == "tf32") else "ieee"
-    cfg = CONFIGS[config or pick_config(n, k, m, interpret, len(pairs))]
+    cfg = CONFIGS[config or pick_config(n, k, m, interpret, len(pairs), grad is not None)]
     if cfg.bk % (128 * cfg.split):
         raise ValueError(f"forge: config {config!r}: BLOCK_K / EPI_SPLIT must be a multiple of 128")
     ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
