@@ -10,6 +10,8 @@ once), all on the same inputs:
 - ``fused fp32``: forge's fp32 fused step (the default kernel: Gluon on sm_90);
 - ``unfused q8``: cuBLAS wgrad + the q8 update of that stored dW (the same kernel with FROM_GRAD, its best config):
   what 8-bit states cost without fusion (a bitsandbytes-like step, our kernel);
+- ``blocked q8``: wgrad_update_q8_blocked, the path the op takes for two-state rules (cuBLAS into a <= 32 MiB row
+  block of dW, then the stored-dW update of that block; host part included);
 - ``fused q8`` per config of wgrad_update_q8.CONFIGS, and the best of them;
 - the q8 roofline floor: W read + written (8 bytes), each state's codes (2) and scales (8 / 128), dY and X once, at
   4.27 TB/s -- or the GEMM at 686 TFLOP/s.
@@ -87,7 +89,7 @@ def check_exact(kind, configs, n=520, k=640, m=300):
     """Every config (and the unfused q8 update) bitwise the spec over two steps, on exact activations."""
     rule, w, dy_t, x, _, st8, hp = make_inputs(kind, n, k, m, seed=3, exact=True)
     out = {}
-    for cfg in [*configs, "from_grad"]:
+    for cfg in [*configs, "from_grad", "blocked"]:
         w_ref, st_ref = w.clone(), copy_states(st8)
         w_k, st_k = w.clone(), copy_states(st8)
         for step in range(2):
@@ -95,6 +97,8 @@ def check_exact(kind, configs, n=520, k=640, m=300):
             g = wq.reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=2)
             if cfg == "from_grad":
                 wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, grad=g)
+            elif cfg == "blocked":
+                wq.wgrad_update_q8_blocked(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2)
             else:
                 wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, config=cfg)
         ok = torch.equal(w_k, w_ref)
@@ -190,6 +194,9 @@ def main():
                         pass
                 row["unfused_q8_best"] = min(unf, key=unf.get)
                 row["unfused_q8"] = unf[row["unfused_q8_best"]]
+                # the blocked path as the op runs it (host part included: prepared at every call), dW 32 MiB at most
+                wbk, sbk = w.clone(), copy_states(st8)
+                row["blocked_q8"] = t(lambda: wq.wgrad_update_q8_blocked(wbk, dy_t, x, sbk, hp, rule, key=key, salt=1))
                 row["mm"] = t(lambda: wgrad_mm(dy_t, x))
                 fused = {}
                 for cfg in configs:
@@ -208,15 +215,16 @@ def main():
     with open(os.path.join(args.out, "q8.json"), "w") as f:
         json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
     print(f"\n{meta}\n")
-    print("| rule | shape | M | unfused fp32 | fused fp32 | unfused q8 | fused q8 (best config) | floor q8 | "
-          "unfused fp32 / fused q8 | unfused q8 / fused q8 | fused fp32 / fused q8 | mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| rule | shape | M | unfused fp32 | fused fp32 | unfused q8 | blocked q8 | fused q8 (best config) | floor q8 | "
+          "unfused fp32 / fused q8 | unfused q8 / fused q8 | fused fp32 / fused q8 | unfused fp32 / blocked q8 | "
+          "fused fp32 / blocked q8 | mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        b = r["fused_q8_best"]
+        b, bl = r["fused_q8_best"], r["blocked_q8"]
         print(f"| {r['rule']} | {r['n']}x{r['k']} | {r['m']} | {r['unfused_fp32']:.4f} | {r['fused_fp32']:.4f} | "
-              f"{r['unfused_q8']:.4f} | {b:.4f} ({r['best']}) | {r['floor_q8']:.4f} | "
+              f"{r['unfused_q8']:.4f} | {bl:.4f} | {b:.4f} ({r['best']}) | {r['floor_q8']:.4f} | "
               f"{r['unfused_fp32'] / b:.2f}x | {r['unfused_q8'] / b:.2f}x | {r['fused_fp32'] / b:.2f}x | "
-              f"{r['mm']:.4f} |")
+              f"{r['unfused_fp32'] / bl:.2f}x | {r['fused_fp32'] / bl:.2f}x | {r['mm']:.4f} |")
     print("\nper config (ms):")
     for r in rows:
         print(r["rule"], f"{r['n']}x{r['k']}", r["m"],

@@ -55,9 +55,10 @@ def _to(states, device):
             for st in states]
 
 
-def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, from_grad=False, steps=2, cpu_path=False):
+def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, from_grad=False, steps=2, cpu_path=False,
+                              blocked=False):
     from forge_compile.kernels.wgrad_update_q8 import launch_wgrad_update_q8, reference_wgrad_update_q8
-    from forge_compile.kernels.wgrad_update_q8 import wgrad_update_q8_cpu
+    from forge_compile.kernels.wgrad_update_q8 import wgrad_update_q8_blocked, wgrad_update_q8_cpu
 
     rule, w, dy_t, x, states, hp = _case(kind, n, k, m, wdtype, act, "cpu")
     # the spec runs on the kernel's device: the CUDA epilogue is CUDA eager's arithmetic (epilogue_codegen), and
@@ -71,7 +72,9 @@ def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, f
             g = reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5)
             if cpu_path:
                 wgrad_update_q8_cpu(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None)
-        if not cpu_path:
+        if blocked:
+            wgrad_update_q8_blocked(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5)
+        elif not cpu_path:
             launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None,
                                    config=config)
     bits = torch.int16 if wdtype == torch.bfloat16 else torch.int32
@@ -101,6 +104,30 @@ def test_interpreter_fused_q8_split_epilogue_and_bf16_weight(interpret):
 
 def test_interpreter_q8_update_of_a_stored_grad(interpret):
     _check_kernel_is_the_spec("adamw", 33, 256, 16, torch.float32, torch.float32, "cpu", from_grad=True)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgdm"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interpreter_blocked_path_is_the_spec(interpret, monkeypatch, kind, wdtype):
+    # dW by matmul one block of rows at a time, each block's stored-dW update with its rows' element indices (OFF0):
+    # blocks of 7 rows of 40 (a short last one), the bits of every element the spec's
+    from forge_compile.kernels import wgrad_update_q8 as wq
+
+    monkeypatch.setattr(wq, "BLOCK_BYTES", 7 * 200 * 4)
+    _check_kernel_is_the_spec(kind, 40, 200, 50, wdtype, torch.float32, "cpu", blocked=True)
+
+
+def test_blocked_or_fused_by_rule_and_tokens(monkeypatch):
+    from forge_compile.kernels.wgrad_update_q8 import use_blocked
+
+    monkeypatch.delenv("FORGE_Q8_PATH", raising=False)
+    adamw, sgdm = rules.adamw_rule(), rules.sgd_rule(momentum=True)
+    assert use_blocked(adamw, 256) and use_blocked(adamw, 8192) and use_blocked(sgdm, 2048)
+    assert not use_blocked(sgdm, 256)
+    monkeypatch.setenv("FORGE_Q8_PATH", "fused")
+    assert not use_blocked(adamw, 8192)
+    monkeypatch.setenv("FORGE_Q8_PATH", "blocked")
+    assert use_blocked(sgdm, 64)
 
 
 def test_interpreter_empty_token_dim(interpret):
@@ -185,6 +212,16 @@ def test_cuda_fused_q8_is_the_spec(kind, config):
 @CUDA
 def test_cuda_fused_q8_bf16_weight_fp32_activations():
     _check_kernel_is_the_spec("adamw", 130, 384, 96, torch.bfloat16, torch.float32, "cuda")
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["adamw", "sgdm"])
+def test_cuda_blocked_path_is_the_spec(monkeypatch, kind):
+    # cuBLAS's bf16 GEMM into fp32 blocks of 64 rows (exact activations: the same dW as the spec's fp32 matmul)
+    from forge_compile.kernels import wgrad_update_q8 as wq
+
+    monkeypatch.setattr(wq, "BLOCK_BYTES", 64 * 520 * 4)
+    _check_kernel_is_the_spec(kind, 200, 520, 300, torch.float32, torch.bfloat16, "cuda", blocked=True)
 
 
 @CUDA

@@ -45,7 +45,8 @@ from . import q8_state
 from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
 from .stochastic_round import TRITON_SROUND, element_key
 
-__all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_cpu",
+__all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
+           "use_blocked", "wgrad_update_q8_cpu",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
 
@@ -59,13 +60,17 @@ def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: 
 
 
 def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int, salt: int, grad=None) -> None:
-    """The update (the module docstring): the Triton kernel on CUDA tensors (or on CPU ones under the interpreter,
-    FORGE_TRITON_CPU=1), else the CPU path -- the same function, bitwise, on each device's arithmetic."""
+    """The update (the module docstring): on CUDA tensors (or on CPU ones under the interpreter, FORGE_TRITON_CPU=1)
+    the blocked path or the fused kernel (``use_blocked``), else the CPU path -- the same function, bitwise, on each
+    device's arithmetic."""
     from .wgrad_update import triton_on_cpu
 
     r = get_rule(rule)
     if weight.is_cuda or triton_on_cpu():
-        launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
+        if grad is None and use_blocked(r, x.shape[0]) and x.shape[0] > 0:
+            wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt)
+        else:
+            launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
     else:
         wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
 
@@ -94,22 +99,24 @@ def _ld_state(C, S, off, soff, mask, smask, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _st_state(C, S, x, off, soff, mask, smask, QKEY, BN: tl.constexpr, BK: tl.constexpr):
+def _st_state(C, S, x, off, hoff, soff, mask, smask, QKEY, BN: tl.constexpr, BK: tl.constexpr):
     # elements outside the weight (a ragged last tile) must not enter their block's absmax: zeros, as the spec's
-    # padding of a short last block
-    code, scale = _q8_quantize(tl.where(mask, x, 0.0), off, QKEY, BN, BK)
+    # padding of a short last block; the rounding bits from the elements' indices in the parameter (hoff)
+    code, scale = _q8_quantize(tl.where(mask, x, 0.0), hoff, QKEY, BN, BK)
     tl.store(C + off, code.to(tl.float8e4nv), mask=mask)
     tl.store(S + soff, scale, mask=smask)
 
 
 @triton.jit
-def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0,
+def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row0, col0,
             BN: tl.constexpr, BK: tl.constexpr):
-    # int64 bases (N*K may exceed 2**31), element offsets as the spec's indices (row-major in the weight)
+    # int64 bases (N*K may exceed 2**31); the elements' indices in the parameter (the spec's, for the rounding bits)
+    # are their offsets plus OFF0: a launch on a block of rows (wgrad_update_q8_blocked) passes the block's first
     rn = tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rb = tl.arange(0, BK // 128)
     off = row0.to(tl.int64) * K + col0 + (rn[:, None] * K + rk[None, :])
+    hoff = off + OFF0
     mask = ((row0 + rn) < N)[:, None] & ((col0 + rk) < K)[None, :]
     soff = row0.to(tl.int64) * NB + col0 // 128 + (rn[:, None] * NB + rb[None, :])
     smask = ((row0 + rn) < N)[:, None] & ((col0 // 128 + rb) < NB)[None, :]
@@ -118,7 +125,7 @@ def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col
     {new_vars} = _rule(p, g, {state_vars}{scalar_params}BN, BK)
     if W.dtype.element_ty == tl.bfloat16:
         # stochastic rounding: the pattern's low 16 bits are zero, so the cast is exact in any rounding mode
-        tl.store(W + off, _sround_bits({new_p}, off, EKEY).to(tl.bfloat16), mask=mask)
+        tl.store(W + off, _sround_bits({new_p}, hoff, EKEY).to(tl.bfloat16), mask=mask)
     else:
         tl.store(W + off, {new_p}, mask=mask)
 {state_stores}
@@ -131,9 +138,9 @@ def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
 
 
 # the keys never specialized: a key of 1 would become a constexpr
-@triton.jit(do_not_specialize=["EKEY", {qkey_names}])
+@triton.jit(do_not_specialize=["EKEY", "OFF0", {qkey_names}])
 def wgrad_update_q8_kernel(
-    W, DYT, X, G, {q8_ptrs}EKEY, {qkey_params}{kernel_scalar_params}N, K, M, NB,
+    W, DYT, X, G, {q8_ptrs}EKEY, {qkey_params}{kernel_scalar_params}N, K, M, NB, OFF0,
     stride_dn, stride_dm, stride_xm, stride_xk, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, FROM_GRAD: tl.constexpr,
@@ -183,13 +190,13 @@ def wgrad_update_q8_kernel(
             b_ptrs += BLOCK_M * stride_xm
 
     if EPI_SPLIT == 1:
-        _update(acc, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0, BLOCK_N, BLOCK_K)
+        _update(acc, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row0, col0, BLOCK_N, BLOCK_K)
     else:
         # two column chunks one after the other: one chunk's W/states/temporaries live at a time
         tl.static_assert(EPI_SPLIT == 2)
         g0, g1 = _halves(acc, BLOCK_N, BLOCK_K)
-        _update(g0, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0, BLOCK_N, BLOCK_K // 2)
-        _update(g1, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, row0, col0 + BLOCK_K // 2,
+        _update(g0, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row0, col0, BLOCK_N, BLOCK_K // 2)
+        _update(g1, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row0, col0 + BLOCK_K // 2,
                 BLOCK_N, BLOCK_K // 2)
 '''
 
@@ -207,7 +214,7 @@ def render_kernel_source(ep: Epilogue) -> str:
         qkey_names=", ".join(f'"QKEY_{u}"' for u in up),
         state_loads="\n".join(f"    {s} = _ld_state({u}_C, {u}_S, off, soff, mask, smask, BN, BK)"
                               for s, u in zip(states, up)),
-        state_stores="\n".join(f"    _st_state({u}_C, {u}_S, {v}, off, soff, mask, smask, QKEY_{u}, BN, BK)"
+        state_stores="\n".join(f"    _st_state({u}_C, {u}_S, {v}, off, hoff, soff, mask, smask, QKEY_{u}, BN, BK)"
                                for u, v in zip(up, new_vars)),
     )
 
@@ -311,7 +318,7 @@ def check_q8_states(weight, rule: Rule, states) -> tuple[list, list]:
     return pairs, scalars
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config):
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config, off0: int = 0):
     from .wgrad_update_triton import fp32_dot_precision, host_scalars
 
     n, k = weight.shape
@@ -347,7 +354,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
     grid = (-(-n // cfg.bn) * -(-k // cfg.bk),)
     gmat = grad if grad is not None else weight
     args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], ekey, *qkeys, *scalars,
-            n, k, m, -(-k // q8_state.BLOCK), dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
+            n, k, m, -(-k // q8_state.BLOCK), off0, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
             gmat.stride(0))
     opts = dict(BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group, EVEN_M=(m % cfg.bm == 0),
                 UPCAST=upcast, DOT_PREC=prec, FROM_GRAD=grad is not None, EPI_SPLIT=cfg.split,
@@ -376,6 +383,59 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt
     NOT advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config)
     return lambda: kernel[grid](*args, **opts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the blocked path: cuBLAS into a bounded row block of dW, then the update of that block
+
+
+# fp32 bytes of the dW row block the blocked path materializes at a time (32 MiB: 2048 rows of a 4096-wide weight)
+BLOCK_BYTES = 32 << 20
+
+
+def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int) -> None:
+    """The same update (bitwise the spec, as the fused kernel) as blocks of whole rows: dW of ``BLOCK_BYTES`` at
+    most by torch.mm (cuBLAS on CUDA), then the kernel's stored-dW update of those rows, the rounding bits from the
+    rows' element indices in the parameter (OFF0). Why: measured on an H100 (stop 42, RESULTS.md "8-bit block-wise
+    states" v2) the fused 8-bit kernel is slower than cuBLAS + the stored-dW update for two-state rules at every M
+    (AdamW 4096x4096: 0.190 vs 0.142 ms at M = 256, 0.962 vs 0.492 at 8192); this keeps dW bounded (FORGE's memory
+    point) at the unfused step's speed. Scalar states advance once, after the last block."""
+    pairs, scalar_states = check_q8_states(weight, rule, states)
+    n, k = weight.shape
+    if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
+        raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
+                         f"{tuple(x.shape)} do not compose")
+    rows = max(1, min(n, BLOCK_BYTES // (4 * k)))
+    new = None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        g = _wgrad_mm(dy_t[r0:r1], x)
+        block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
+        kernel, grid, args, opts, _, new_b = _prepare(weight[r0:r1], None, None, block_states, hparams, rule, key,
+                                                      salt, g, None, off0=r0 * k)
+        kernel[grid](*args, **opts)
+        new = new if new is not None else new_b
+    with torch.no_grad():
+        for s, v in zip(scalar_states, new or []):
+            s.fill_(v)
+
+
+def _wgrad_mm(dy_t, x):
+    # dW in fp32 from the activations as they are: cuBLAS's bf16/fp16 GEMM with fp32 output (no bf16 round trip) on
+    # CUDA, an fp32 matmul elsewhere (the interpreter's tests) or for fp32 activations
+    if dy_t.is_cuda and dy_t.dtype == x.dtype and dy_t.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(dy_t, x, out_dtype=torch.float32)
+    return dy_t.float() @ x.float()
+
+
+def use_blocked(rule: Rule, m: int) -> bool:
+    """Whether a CUDA update takes the blocked path: FORGE_Q8_PATH=fused|blocked forces one; by default blocked except
+    for one-state rules at M <= 256 (SGD-m there: fused 0.109 vs 0.120 ms; from M = 2048 the blocked path wins too)."""
+    forced = os.environ.get("FORGE_Q8_PATH", "")
+    if forced in ("fused", "blocked"):
+        return forced == "blocked"
+    n_tensor = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
+    return not (n_tensor <= 1 and m <= 256)
 
 
 # ----------------------------------------------------------------------------------------------------
