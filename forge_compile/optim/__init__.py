@@ -1,4 +1,5 @@
 from .lion import Lion, RuleOptimizer
+from .adamw8bit import AdamW8bit
 from .rule import Rule, get_rule, grad_scaled_rule, register_rule
 from .rules import adagrad_rule, adam_rule, adamw_rule, lion_rule, rmsprop_rule, sgd_rule
 from .translate import (
@@ -11,6 +12,7 @@ from .translate import (
 )
 
 __all__ = [
+    "AdamW8bit",
     "Lion",
     "ParamPlan",
     "Rule",

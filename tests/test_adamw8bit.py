@@ -1,0 +1,239 @@
+"""optim/adamw8bit.py: AdamW with 8-bit block-wise moments. Its 8-bit parameters' updates are the spec
+(q8_state.reference_q8_update with AdamW's rule, bitwise; on CPU the blocked CPU path, under the interpreter and on CUDA
+the Triton kernel), its small parameters torch.optim.AdamW's, a checkpoint resumes bitwise, it follows fp32 AdamW on a
+regression, and compile_train_step refuses it before touching anything."""
+import contextlib
+import copy
+import os
+
+import pytest
+import torch
+
+from interpreter import run_child
+from models import CorrectlyRoundedSqrt
+import forge_compile as forge
+from forge_compile.kernels import q8_state as q8
+from forge_compile.kernels.stochastic_round import round_key
+from forge_compile.optim import AdamW8bit, adamw_rule
+
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    # 300 x 200 (8-bit: 60000 elements, K = 200 a ragged last block), 6 x 300 (1800 < 4096: torch's states), biases
+    return torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.Tanh(), torch.nn.Linear(300, 6)).to(device, dtype)
+
+
+def _batches(n, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 200, generator=g).to(device, dtype), torch.randn(32, 6, generator=g).to(device, dtype))
+            for _ in range(n)]
+
+
+def _train(model, opt, batches):
+    for x, y in batches:
+        loss = ((model(x).float() - y.float()) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def _reference_steps(model, batches, seed=0):
+    """The spec, parameter by parameter: reference_q8_update for the 8-bit ones, AdamW's rule for the others."""
+    rule = adamw_rule()
+    hp = [torch.tensor(v, dtype=torch.float64) for v in (HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"])]
+    states = {}
+    for x, y in batches:
+        loss = ((model(x).float() - y.float()) ** 2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for salt, p in enumerate(model.parameters()):
+                big = p.numel() >= 4096
+                if p not in states:
+                    z = torch.zeros(p.shape[0], p.shape[-1], device=p.device)
+                    states[p] = ([torch.tensor(0.0), list(q8.quantize(z, 0)), list(q8.quantize(z, 0))] if big
+                                 else [torch.tensor(0.0), torch.zeros_like(p), torch.zeros_like(p)])
+                st = states[p]
+                key = round_key(seed, int(st[0]))
+                if big:
+                    q8.reference_q8_update(rule, p.view(p.shape[0], -1), p.grad.float(), st, hp, key, salt)
+                else:
+                    rule.apply(p, p.grad, st, hp)
+                p.grad = None
+    return states
+
+
+def test_the_8bit_and_the_small_parameters_follow_their_spec_bitwise():
+    model, ref = _model(), _model()
+    opt = AdamW8bit(model.parameters(), **HP)
+    batches = _batches(3)
+    # torch's CPU fp32 sqrt is not correctly rounded; the same mode on both sides (models.CorrectlyRoundedSqrt)
+    with CorrectlyRoundedSqrt():
+        _train(model, opt, batches)
+        states = _reference_steps(ref, batches)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), name
+        st = opt.dequantized_state(p)
+        want = states[r]
+        if p.numel() >= 4096:
+            assert torch.equal(st["exp_avg"], q8.dequantize(*want[1])), name
+            assert torch.equal(st["exp_avg_sq"], q8.dequantize(*want[2])), name
+        else:
+            assert torch.equal(st["exp_avg"], want[1]) and torch.equal(st["exp_avg_sq"], want[2]), name
+        assert float(st["step"]) == 3.0
+
+
+def test_with_no_8bit_parameter_it_is_torch_adamw():
+    # every parameter under min_8bit_size: torch's states and forge's AdamW rule, torch.optim.AdamW's function up to
+    # its kernels' FMA contractions -- the tolerance of tests/test_optim_rules.py (why: its docstring)
+    batches = _batches(3)
+    model, tmodel = _model(), _model()
+    opt = AdamW8bit(model.parameters(), **HP, min_8bit_size=10 ** 9)
+    topt = torch.optim.AdamW(tmodel.parameters(), foreach=False, **HP)
+    _train(model, opt, batches)
+    _train(tmodel, topt, batches)
+    for (name, p), t in zip(model.named_parameters(), tmodel.parameters()):
+        for a, b in ((p, t), (opt.state[p]["exp_avg"], topt.state[t]["exp_avg"]),
+                     (opt.state[p]["exp_avg_sq"], topt.state[t]["exp_avg_sq"])):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-6 * float(b.abs().max()),
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def test_state_bytes_are_the_8bit_format():
+    model = _model()
+    opt = AdamW8bit(model.parameters(), **HP)
+    _train(model, opt, _batches(1))
+    w = model[0].weight
+    # codes: 1 byte per element, scales: 4 bytes per 128 elements of a row, twice; the step 4 bytes
+    assert sum(t.numel() * t.element_size() for t in opt.state[w].values()) == 2 * (300 * 200 + 4 * 300 * 2) + 4
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 4096)
+    assert opt.state_bytes() == 2 * (300 * 200 + 4 * 300 * 2) + 4 + 8 * small + 4 * 3
+    fp32_adamw = 8 * sum(p.numel() for p in model.parameters()) + 4 * 4
+    assert opt.state_bytes() < 0.3 * fp32_adamw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_checkpoint_resumes_bitwise(tmp_path, dtype):
+    batches = _batches(5, dtype=dtype)
+    model = _model(dtype)
+    opt = AdamW8bit(model.parameters(), **HP, seed=3)
+    _train(model, opt, batches[:3])
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    _train(model, opt, batches[3:])
+
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    resumed = _model(dtype)
+    resumed.load_state_dict(ckpt["model"])
+    ropt = AdamW8bit(resumed.parameters(), **HP, seed=3)
+    ropt.load_state_dict(ckpt["opt"])
+    w = resumed[0].weight
+    # torch.optim casts floating-point states to the parameter's dtype on load: codes and scales are not floating
+    assert ropt.state[w]["exp_avg_codes"].dtype == torch.uint8
+    assert ropt.state[w]["exp_avg_scales"].dtype == torch.float32
+    _train(resumed, ropt, batches[3:])
+    for (name, p), r in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, r), name
+
+
+def test_follows_fp32_adamw_on_a_regression():
+    # a noisy linear regression (convex: no chaotic divergence to hide a bias), 300 steps from the same start against
+    # torch.optim.AdamW with fp32 moments: measured 0.4 % of the distance travelled apart (seeds 1, 2) and the final
+    # losses within 1 % -- bounds 1.5 % and 5 %, far under a missing or biased update (v frozen by round-to-nearest
+    # codes: 2.5 %, q8_state's study)
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(300, 200, generator=g) * 0.1
+    xs = [torch.randn(32, 200, generator=g) for _ in range(20)]
+    ys = [x @ target.t() + 0.1 * torch.randn(32, 300, generator=g) for x in xs]
+    torch.manual_seed(0)
+    model, tmodel = torch.nn.Linear(200, 300), torch.nn.Linear(200, 300)
+    tmodel.load_state_dict(model.state_dict())
+    w0 = model.weight.detach().clone()
+    opt, topt = AdamW8bit(model.parameters(), **HP), torch.optim.AdamW(tmodel.parameters(), **HP)
+    for _ in range(15):
+        _train(model, opt, zip(xs, ys))
+        _train(tmodel, topt, zip(xs, ys))
+    apart = (model.weight - tmodel.weight).norm() / (tmodel.weight - w0).norm()
+    assert apart <= 0.015, apart.item()
+    loss, tloss = (((m(xs[0]) - ys[0]) ** 2).mean().item() for m in (model, tmodel))
+    assert abs(loss / tloss - 1) <= 0.05, (loss, tloss)
+
+
+def test_bad_parameters_and_arguments_are_refused():
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        AdamW8bit(torch.nn.Linear(4, 4).half().parameters())
+    with pytest.raises(ValueError, match="betas"):
+        AdamW8bit(torch.nn.Linear(4, 4).parameters(), betas=(1.0, 0.9))
+    m = torch.nn.Embedding(10000, 8, sparse=True)
+    opt = AdamW8bit(m.parameters())
+    m(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+
+
+def test_compile_train_step_refuses_it_before_touching_anything():
+    model = _model()
+    opt = AdamW8bit(model.parameters(), **HP)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @forge.compile_train_step
+    def step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = _batches(1)[0]
+    with pytest.raises(forge.UnsupportedOptimizerError, match="8-bit states are not fused yet"):
+        step(x, y)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+    # the Dynamo route refuses it at compile time, with the same reason (Dynamo wraps the backend's error)
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+    with pytest.raises(Exception, match="UnsupportedOptimizerError.*8-bit states are not fused yet"):
+        cm(x).sum().backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _kernel_path_is_the_spec(device):
+    # the Triton kernel (CUDA, or the interpreter on CPU) against the spec run on the same device
+    dtype = torch.float32
+    batches = _batches(3, device=device)
+    model, ref = _model(dtype, device), _model(dtype, device)
+    opt = AdamW8bit(model.parameters(), **HP)
+    # the epilogue generated before the sqrt mode (it traces the rule, and would trace the mode's fp64 sqrt)
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+
+    compile_epilogue(adamw_rule(), "interpret" if device == "cpu" else "cuda")
+    with CorrectlyRoundedSqrt() if device == "cpu" else contextlib.nullcontext():
+        _train(model, opt, batches)
+        _reference_steps(ref, batches)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), name
+
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    run_child(__file__)
+
+
+def test_interpreter_kernel_path_is_the_spec(interpret):
+    assert os.environ.get("FORGE_TRITON_CPU") == "1"
+    _kernel_path_is_the_spec("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_kernel_path_is_the_spec():
+    _kernel_path_is_the_spec("cuda")
+
+
+def test_dequantized_state_and_torch_names():
+    model = _model()
+    opt = AdamW8bit(model.parameters(), **HP)
+    _train(model, opt, _batches(2))
+    st = opt.dequantized_state(model[0].weight)
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].shape == model[0].weight.shape
+    assert (st["exp_avg_sq"] >= 0).all() and st["exp_avg"].abs().sum() > 0
+    assert copy.deepcopy(opt.state_dict())["param_groups"][0]["seed"] == 0
