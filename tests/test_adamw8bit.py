@@ -229,6 +229,22 @@ def test_cuda_kernel_path_is_the_spec():
     _kernel_path_is_the_spec("cuda")
 
 
+def test_conv_and_1d_parameters_keep_rows_of_their_first_dimension():
+    # a conv weight [16, 8, 3, 3] is 16 rows of 72 (one scale per row, not one per 3 elements); a 1-D parameter of
+    # 5000 elements one row of 40 blocks
+    conv = torch.nn.Conv2d(8, 16, 3)
+    vec = torch.nn.Parameter(torch.randn(5000))
+    opt = AdamW8bit([*conv.parameters(), vec], **HP, min_8bit_size=1000)
+    (conv(torch.randn(2, 8, 6, 6)).sum() + (vec ** 2).sum()).backward()
+    w0 = conv.weight.detach().clone()
+    opt.step()
+    assert opt.state[conv.weight]["exp_avg_codes"].shape == (16, 72)
+    assert opt.state[conv.weight]["exp_avg_scales"].shape == (16, 1)
+    assert opt.state[vec]["exp_avg_scales"].shape == (1, 40)
+    assert "exp_avg" in opt.state[conv.bias] and not torch.equal(conv.weight, w0)
+    assert opt.dequantized_state(conv.weight)["exp_avg"].shape == conv.weight.shape
+
+
 def test_dequantized_state_and_torch_names():
     model = _model()
     opt = AdamW8bit(model.parameters(), **HP)

@@ -37,8 +37,9 @@ _Q8_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_s
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    # rows of the last dimension: 128-blocks lie inside them, as in a weight [N, K]
-    return t.view(-1, t.shape[-1]) if t.dim() >= 2 else t.view(1, -1)
+    # [first dim, the rest]: 128-blocks lie inside these rows, as in a weight [N, K] (a conv weight [O, I, kh, kw] has
+    # rows of I * kh * kw, not of kw, which would cost a 4-byte scale per kw elements)
+    return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
 
 
 class AdamW8bit(torch.optim.Optimizer):
