@@ -14,6 +14,8 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   baseline  torch.compile(model, dynamic=False) + torch.optim.AdamW(fused=True)
   step      forge.compile_train_step(forward, loss.backward(), opt.step(), opt.zero_grad(set_to_none=True))
   backend   torch.compile(model, backend="forge", dynamic=False, options={"optimizer": opt}) + opt.step()
+  baseline_8bit  (only with --routes) the baseline with forge.optim.AdamW8bit (8-bit moments, eager step): the
+            memory and speed of 8-bit states before forge fuses them
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
@@ -83,7 +85,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gpu_power import PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
-ROUTES = ("baseline", "baseline_graphs", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
+ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
           "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
           "step_graphs_cast_pdl", "backend", "backend_graphs", "backend_graphs_group",
           "backend_graphs_pdl")   # table order
@@ -196,7 +198,15 @@ def make_optimizer(model, lr, fused):
 
 def build_optimizer(model, route, lr, forge_fused="auto"):
     """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
-    unless forge raises UnsupportedOptimizerError for it). Returns (optimizer, fused flag, note)."""
+    unless forge raises UnsupportedOptimizerError for it); forge's eager AdamW8bit (8-bit moments) for
+    baseline_8bit. Returns (optimizer, fused flag, note)."""
+    if route == "baseline_8bit":
+        from forge_compile.optim import AdamW8bit
+
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        return (AdamW8bit([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                          lr=lr, betas=(0.9, 0.95), eps=1e-8), False, "forge.optim.AdamW8bit (eager step)")
     if route in FORGE_ROUTES and forge_fused == "off":
         return make_optimizer(model, lr, fused=False), False, ""
     try:
@@ -256,7 +266,7 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
             io = {"triton.cudagraphs": True, **io}
         sr = {"stochastic_rounding": True} if stochastic_rounding else {}
         cm = torch.compile(wl, backend="forge", dynamic=False, options={"optimizer": opt, **sr, **io})
-    elif route == "baseline":
+    elif route in ("baseline", "baseline_8bit"):
         cm = torch.compile(wl, dynamic=False, options=io or None)
     elif route == "baseline_graphs":
         # mode= and options= exclude each other in torch.compile: the CUDA graphs as the Inductor option

@@ -185,6 +185,20 @@ def test_thread_cpu_snapshot_sees_this_thread():
     assert me[0] >= 0 and me[1]
 
 
+def test_cpu_smoke_run_of_the_8bit_baseline(tmp_path, capsys):
+    # forge.optim.AdamW8bit behind torch.compile: trains, its states (8-bit for the 64x64-and-larger weights) smaller
+    out = tmp_path / "out"
+    summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2", "--warmup", "1",
+                          "--iters", "2", "--time-budget", "600", "--routes", "baseline,baseline_8bit"])
+    capsys.readouterr()
+    runs = {r["route"]: r for r in summary["runs"]}
+    for route, r in runs.items():
+        assert r["status"] == "ok", (route, r.get("error"), r.get("traceback"))
+        assert all(math.isfinite(l) for l in r["check_losses"])
+    assert runs["baseline_8bit"]["state_bytes"] < 0.5 * runs["baseline"]["state_bytes"]
+    assert runs["baseline_8bit"]["check_losses"][0] == runs["baseline"]["check_losses"][0]
+
+
 def test_cpu_smoke_run_of_main(tmp_path, capsys):
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2",
