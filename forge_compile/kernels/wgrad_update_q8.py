@@ -1,7 +1,8 @@
 """The fused update with 8-bit block-wise optimizer states: the weight-gradient GEMM whose epilogue reads each tensor
 state as e4m3 codes times per-128-element scales (kernels/q8_state.py is the format's spec), runs the rule in fp32
 and stores the new states quantized again, stochastically rounded (roadmap: "8-bit block-wise optimizer states
-inside the same epilogue"; no capture option uses it yet).
+inside the same epilogue"). Used by forge.optim.AdamW8bit's eager step (the stored-dW update); no capture pass emits
+the fused op yet.
 
 Why: from M = 2048 tokens on, the fp32 fused step's cost is moving W, m and v -- 24 bytes per element for AdamW,
 which under the H100/H200 power cap costs a constant ~0.09 ms per 4096x4096 weight whatever the schedule
