@@ -3,7 +3,8 @@
 Public API:
 - ``compile_train_step(fn, dump_dir=None, fuse=True)``: compile a whole ordinary train step;
 - ``explain(fn, *args)``: the fusion report for a step, without running it;
-- ``FusionReport``; ``optim`` (rules, ``Lion``, ``AdamW8bit``, ``RuleOptimizer``, ``register_rule``).
+- ``FusionReport``; ``optim`` (rules, ``Lion``, ``RuleOptimizer``, ``register_rule``; eager 8-bit-state
+  optimizers ``AdamW8bit``, ``Lion8bit``, ``Rule8bitOptimizer``).
 The Dynamo route ``torch.compile(model, backend="forge", options={"optimizer": opt})`` is registered
 on import and through the ``torch_dynamo_backends`` entry point.
 """

@@ -1,5 +1,5 @@
 from .lion import Lion, RuleOptimizer
-from .adamw8bit import AdamW8bit
+from .optimizer8bit import AdamW8bit, Lion8bit, Rule8bitOptimizer
 from .rule import Rule, get_rule, grad_scaled_rule, register_rule
 from .rules import adagrad_rule, adam_rule, adamw_rule, lion_rule, rmsprop_rule, sgd_rule
 from .translate import (
@@ -14,8 +14,10 @@ from .translate import (
 __all__ = [
     "AdamW8bit",
     "Lion",
+    "Lion8bit",
     "ParamPlan",
     "Rule",
+    "Rule8bitOptimizer",
     "RuleOptimizer",
     "UnsupportedOptimizerError",
     "adagrad_rule",

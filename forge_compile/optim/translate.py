@@ -296,9 +296,9 @@ def _find_adapter(opt, cls) -> _Adapter:
             if own is not None and _raw(own) is not _raw(getattr(a.base, "step")):
                 raise _Refuse("its step() was replaced on the instance")
             return a
-    from .adamw8bit import AdamW8bit
+    from .optimizer8bit import Rule8bitOptimizer
 
-    if isinstance(opt, AdamW8bit):
+    if isinstance(opt, Rule8bitOptimizer):
         raise _Refuse("its 8-bit states are not fused yet (roadmap): run its step() eagerly, outside "
                       "compile_train_step and without backend='forge', or use torch.optim.AdamW")
     raise _Refuse("forge translates only torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, forge's Lion "

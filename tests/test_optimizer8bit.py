@@ -1,7 +1,8 @@
-"""optim/adamw8bit.py: AdamW with 8-bit block-wise moments. Its 8-bit parameters' updates are the spec
-(q8_state.reference_q8_update with AdamW's rule, bitwise; on CPU the blocked CPU path, under the interpreter and on CUDA
-the Triton kernel), its small parameters torch.optim.AdamW's, a checkpoint resumes bitwise, it follows fp32 AdamW on a
-regression, and compile_train_step refuses it before touching anything."""
+"""optim/optimizer8bit.py: optimizers with 8-bit block-wise states (AdamW8bit, Lion8bit, Rule8bitOptimizer). Their
+8-bit parameters' updates are the spec (q8_state.reference_q8_update with the rule, bitwise; on CPU the blocked CPU
+path, under the interpreter and on CUDA the Triton kernel), AdamW8bit's small parameters torch.optim.AdamW's, a
+checkpoint resumes bitwise, AdamW8bit follows fp32 AdamW on a regression, and both forge routes refuse them before
+touching anything."""
 import contextlib
 import copy
 import os
@@ -14,7 +15,7 @@ from models import CorrectlyRoundedSqrt
 import forge_compile as forge
 from forge_compile.kernels import q8_state as q8
 from forge_compile.kernels.stochastic_round import round_key
-from forge_compile.optim import AdamW8bit, adamw_rule
+from forge_compile.optim import AdamW8bit, Lion8bit, Rule8bitOptimizer, adamw_rule, lion_rule, sgd_rule
 
 HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -40,11 +41,12 @@ def _train(model, opt, batches):
     return loss
 
 
-def _reference_steps(model, batches, seed=0):
-    """The spec, parameter by parameter: reference_q8_update for the 8-bit ones, AdamW's rule for the others."""
-    rule = adamw_rule()
-    hp = [torch.tensor(v, dtype=torch.float64) for v in (HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"])]
-    states = {}
+def _reference_steps(model, batches, seed=0, rule=None, hp=None):
+    """The spec, parameter by parameter: reference_q8_update for the 8-bit ones, the rule for the others; the key's
+    counter the rule's step, or the optimizer's own count (q8_count) for a rule without one."""
+    rule = rule or adamw_rule()
+    hp = [torch.tensor(v, dtype=torch.float64) for v in (hp or (HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"]))]
+    states, counts = {}, {}
     for x, y in batches:
         loss = ((model(x).float() - y.float()) ** 2).mean()
         loss.backward()
@@ -52,15 +54,19 @@ def _reference_steps(model, batches, seed=0):
             for salt, p in enumerate(model.parameters()):
                 big = p.numel() >= 4096
                 if p not in states:
-                    z = torch.zeros(p.shape[0], p.shape[-1], device=p.device)
-                    states[p] = ([torch.tensor(0.0), list(q8.quantize(z, 0)), list(q8.quantize(z, 0))] if big
-                                 else [torch.tensor(0.0), torch.zeros_like(p), torch.zeros_like(p)])
+                    z = torch.zeros(p.shape[0], p.shape[-1] if p.dim() > 1 else 1, device=p.device)
+                    states[p] = [torch.tensor(0.0) if rule.is_scalar_state(i) else
+                                 list(q8.quantize(z, 0)) if big else torch.zeros_like(p)
+                                 for i in range(len(rule.states))]
+                    counts[p] = 0
                 st = states[p]
-                key = round_key(seed, int(st[0]))
+                counter = int(st[rule.states.index("step")]) if "step" in rule.states else counts[p]
+                key = round_key(seed, counter)
                 if big:
                     q8.reference_q8_update(rule, p.view(p.shape[0], -1), p.grad.float(), st, hp, key, salt)
                 else:
                     rule.apply(p, p.grad, st, hp)
+                counts[p] += 1
                 p.grad = None
     return states
 
@@ -83,6 +89,30 @@ def test_the_8bit_and_the_small_parameters_follow_their_spec_bitwise():
         else:
             assert torch.equal(st["exp_avg"], want[1]) and torch.equal(st["exp_avg_sq"], want[2]), name
         assert float(st["step"]) == 3.0
+
+
+@pytest.mark.parametrize("which", ["lion", "sgd_momentum"])
+def test_lion8bit_and_a_rule_without_a_step_follow_the_spec_bitwise(which):
+    # Lion8bit (one 8-bit state, the rule's step counts), and Rule8bitOptimizer with SGD-momentum's rule, which has no
+    # step: the optimizer's own count (q8_count) keys the bits
+    model, ref = _model(), _model()
+    if which == "lion":
+        opt, rule, hp = Lion8bit(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), lion_rule(), \
+            (1e-3, 0.9, 0.99, 0.1)
+    else:
+        rule, hp = sgd_rule(momentum=True), (1e-2, 0.9, 0.0)
+        opt = Rule8bitOptimizer(model.parameters(), rule, lr=1e-2, momentum=0.9, dampening=0.0)
+    batches = _batches(3)
+    _train(model, opt, batches)
+    states = _reference_steps(ref, batches, rule=rule, hp=hp)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), name
+    w = model[0].weight
+    name = [n for i, n in enumerate(rule.states) if not rule.is_scalar_state(i)][0]
+    assert torch.equal(opt.dequantized_state(w)[name], q8.dequantize(*states[ref[0].weight][rule.states.index(name)]))
+    assert ("q8_count" in opt.state[w]) == (which == "sgd_momentum")
+    with pytest.raises(forge.UnsupportedOptimizerError, match="8-bit states are not fused yet"):
+        forge.optim.plan_optimizer(opt)
 
 
 def test_with_no_8bit_parameter_it_is_torch_adamw():

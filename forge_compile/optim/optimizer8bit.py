@@ -1,0 +1,210 @@
+"""Eager optimizers with 8-bit block-wise states (kernels/q8_state.py's format): ``Rule8bitOptimizer`` for any
+element-wise forge Rule, ``AdamW8bit`` and ``Lion8bit``.
+
+Each parameter of at least ``min_8bit_size`` elements keeps its rule's tensor states (AdamW's ``exp_avg`` and
+``exp_avg_sq``) as e4m3 codes with one fp32 scale per 128 elements of a row (1.03 bytes per element and state,
+against 4 in fp32), rounded stochastically at every step so that the states stay unbiased (q8_state.py says why
+round-to-nearest freezes Adam's v). The update is the spec's (q8_state.reference_q8_update with the rule, bitwise):
+on CUDA the Triton kernel's stored-gradient update (kernels/wgrad_update_q8.py, one launch per parameter), on CPU
+its blocked CPU path.
+Smaller parameters (biases, norms) keep full-precision states in the parameter's dtype, updated by the rule as
+forge's RuleOptimizer does (AdamW's: torch.optim.AdamW's function up to its CPU kernels' FMA contractions,
+tests/test_optim_rules.py).
+
+Why a class of its own, not a state option of torch.optim.AdamW: the states are not torch's (a checkpoint of this
+optimizer holds codes and scales), and a user chooses them as with bitsandbytes' AdamW8bit. ``compile_train_step``
+does not fuse it yet: it refuses it with UnsupportedOptimizerError (forge translates only the optimizers it knows),
+before any parameter is touched.
+
+Rounding bits: the key of a parameter's update is ``round_key(seed, count)`` with its own update count (the rule's
+``step`` state where it has one, else the state ``q8_count``; saved with the state, so a resumed run rounds as the
+uninterrupted one), salted by the parameter's index in the optimizer. A bf16
+parameter is stored stochastically rounded with the same bits as forge's rounded update (stochastic_round.py).
+
+State dict: codes (uint8, viewed as float8_e4m3fn by the kernels) and scales (fp32) as they are; torch.optim's
+load_state_dict casts every state but ``step`` to its parameter's dtype (a bf16 parameter's scales would be rounded),
+so ``load_state_dict`` puts the 8-bit states back from the dict afterwards.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..kernels import q8_state
+from ..kernels.stochastic_round import element_key, round_key
+from .rule import Rule
+from .rules import adamw_rule, lion_rule
+
+__all__ = ["Rule8bitOptimizer", "AdamW8bit", "Lion8bit"]
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    # [first dim, the rest]: 128-blocks lie inside these rows, as in a weight [N, K] (a conv weight [O, I, kh, kw] has
+    # rows of I * kh * kw, not of kw, which would cost a 4-byte scale per kw elements)
+    return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
+
+
+class Rule8bitOptimizer(torch.optim.Optimizer):
+    """Applies ``rule`` (a forge Rule) to every parameter with a gradient, with 8-bit tensor states for the parameters
+    of at least ``min_8bit_size`` elements. ``defaults`` give the rule's hyper-parameters by name (param groups may
+    override them); ``seed`` and ``min_8bit_size`` are group options too. Subclasses map their own hyper-parameter
+    names in ``group_hparams`` (as RuleOptimizer's)."""
+
+    def __init__(self, params, rule: Rule, *, seed: int = 0, min_8bit_size: int = 4096, **defaults):
+        if not isinstance(rule, Rule):
+            raise TypeError(f"{type(self).__name__} needs a forge Rule, got {type(rule).__name__}")
+        self.rule = rule
+        super().__init__(params, dict(defaults, seed=int(seed), min_8bit_size=int(min_8bit_size)))
+        for group in self.param_groups:
+            try:
+                self.group_hparams(group)
+            except KeyError as e:
+                raise ValueError(f"{type(self).__name__}: rule {rule.name!r} needs hyper-parameter {e.args[0]!r} "
+                                 f"(it takes {list(rule.hparams)})") from None
+            for p in group["params"]:
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(f"{type(self).__name__}: parameters must be fp32 or bf16 (bf16 ones are "
+                                     f"rounded stochastically), got {p.dtype}")
+
+    def group_rule(self, group: dict) -> Rule:
+        return self.rule
+
+    def group_hparams(self, group: dict) -> list[float]:
+        """The rule's hyper-parameters for ``group``, in ``rule.hparams`` order."""
+        return [float(group[n]) for n in self.group_rule(group).hparams]
+
+    def is_8bit(self, p: torch.Tensor, group: dict) -> bool:
+        """Whether ``p`` keeps 8-bit states: large enough, and contiguous (its rows are the blocks' rows)."""
+        return p.numel() >= group["min_8bit_size"] and p.is_contiguous() and p.dim() >= 1
+
+    def state_bytes(self) -> int:
+        """Bytes of every state tensor (the number the 8-bit format is for)."""
+        return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor))
+
+    def _init_state(self, p, group, rule):
+        state = self.state[p]
+        big = self.is_8bit(p, group)
+        n, k = _as_2d(p).shape
+        nb = -(-k // q8_state.BLOCK)
+        for i, name in enumerate(rule.states):
+            if rule.is_scalar_state(i):
+                state[name] = torch.tensor(0.0)
+            elif big:
+                state[f"{name}_codes"] = torch.zeros(n, k, dtype=torch.uint8, device=p.device)
+                state[f"{name}_scales"] = torch.zeros(n, nb, dtype=torch.float32, device=p.device)
+            else:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if "step" not in rule.scalar_states:
+            state["q8_count"] = torch.tensor(0.0)
+
+    def _states(self, state, rule, big):
+        out = []
+        for i, name in enumerate(rule.states):
+            if rule.is_scalar_state(i) or not big:
+                out.append(state[name])
+            else:
+                out.append([state[f"{name}_codes"].view(torch.float8_e4m3fn), state[f"{name}_scales"]])
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        salt = -1
+        for group in self.param_groups:
+            rule = self.group_rule(group)
+            hp = [torch.tensor(v, dtype=torch.float64) for v in self.group_hparams(group)]
+            for p in group["params"]:
+                salt += 1       # the parameter's index in the optimizer, with or without a gradient
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, group, rule)
+                counter = state["step"] if "step" in rule.scalar_states else state["q8_count"]
+                key = round_key(group["seed"], int(counter))
+                big = any(k.endswith("_codes") for k in state)
+                states = self._states(state, rule, big)
+                if big:
+                    from ..kernels.wgrad_update_q8 import wgrad_update_q8
+
+                    wgrad_update_q8(_as_2d(p), None, None, states, hp, rule.name, key=key, salt=salt,
+                                    grad=_as_2d(p.grad.contiguous()).float())
+                elif p.dtype == torch.bfloat16:
+                    rule.apply_rounded(p, p.grad, states, hp, element_key(key, salt))
+                else:
+                    rule.apply(p, p.grad, states, hp)
+                if "q8_count" in state:
+                    state["q8_count"] += 1
+        return loss
+
+    def dequantized_state(self, p: torch.Tensor) -> dict:
+        """``p``'s states as full-precision tensors shaped like ``p`` under the rule's names (torch.optim's for AdamW):
+        for inspection and for moving a run to another optimizer."""
+        state = self.state[p]
+        out = {}
+        for k, v in state.items():
+            if k.endswith("_codes"):
+                name = k[: -len("_codes")]
+                out[name] = q8_state.dequantize(v.view(torch.float8_e4m3fn), state[f"{name}_scales"]).view_as(p)
+            elif not k.endswith("_scales"):
+                out[k] = v
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = {i: {k: v for k, v in st.items() if k.endswith(("_codes", "_scales"))}
+                 for i, st in state_dict["state"].items()}
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = dict(zip(ids, itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+        super().load_state_dict(state_dict)
+        # undo torch.optim's cast of these to the parameter's dtype: the 8-bit states as they were saved
+        for i, q in saved.items():
+            p = params[i]
+            for k, v in q.items():
+                self.state[p][k] = v.to(p.device, copy=True)
+
+
+class AdamW8bit(Rule8bitOptimizer):
+    """torch.optim.AdamW (lr, betas, eps, weight_decay) with 8-bit moments."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, seed: int = 0, min_8bit_size: int = 4096):
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        super().__init__(params, adamw_rule(), seed=seed, min_8bit_size=min_8bit_size, lr=lr, betas=tuple(betas),
+                         eps=eps, weight_decay=weight_decay)
+
+    def group_hparams(self, group: dict) -> list[float]:
+        b1, b2 = group["betas"]
+        return [float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"])]
+
+
+class Lion8bit(Rule8bitOptimizer):
+    """forge.optim.Lion (lr, betas, weight_decay) with an 8-bit momentum: 1.03 bytes per parameter of state."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 *, seed: int = 0, min_8bit_size: int = 4096):
+        if not 0.0 <= float(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not (0.0 <= betas[0] <= 1.0 and 0.0 <= betas[1] <= 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        super().__init__(params, lion_rule(), seed=seed, min_8bit_size=min_8bit_size, lr=lr, betas=tuple(betas),
+                         weight_decay=weight_decay)
+
+    def group_hparams(self, group: dict) -> list[float]:
+        b1, b2 = group["betas"]
+        return [float(group["lr"]), float(b1), float(b2), float(group["weight_decay"])]
