@@ -82,7 +82,7 @@ def test_triton_table_source_differs_only_in_how_scalars_arrive(rule):
     # and a bf16 weight's round key, the row's word after the scalars, where the launch says so (TKEY: TABLE_KEY)
     key = f"    if TKEY:\n        EKEY = tl.load(SCAL + {n}).to(tl.int32, bitcast=True)\n"
     expect = plain.replace(sig + params + "N, K, M,", sig + "SCAL, N, K, M,").replace(
-        "):\n    # Grouped order", "):\n" + loads + key + "    # Grouped order")
+        "):\n    row0, col0 = _tile_origin", "):\n" + loads + key + "    row0, col0 = _tile_origin")
     assert table == expect
     ast.parse(table)
 

@@ -40,7 +40,8 @@ def reference_wgrad_sqnorm(dy_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    """dW (a block of it) in fp32 (also wgrad_update_q8's blocked path)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype:
         # cuBLAS accumulates in fp32 and writes fp32: the unrounded dW, as the fused kernels accumulate it
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()

@@ -45,6 +45,10 @@ from ..optim.rule import Rule, get_rule
 from . import q8_state
 from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
 from .stochastic_round import TRITON_SROUND, element_key
+from .wgrad_norm import SQNORM_BLOCK_BYTES, _mm_fp32
+from .wgrad_update import _check_shapes
+from .wgrad_update_cpu import _CPU_BLOCK_BYTES
+from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
            "use_blocked", "wgrad_update_q8_cpu",
@@ -86,7 +90,7 @@ def empty_q8_state(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------------
 # the kernel template (epilogue_codegen's ``_rule`` at its head)
 
-_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + q8_state.TRITON_Q8 + '''
+_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + TRITON_DW_TILE + q8_state.TRITON_Q8 + '''
 
 @triton.jit
 def _ld_state(C, S, off, soff, mask, smask, BN: tl.constexpr, BK: tl.constexpr):
@@ -132,12 +136,6 @@ def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row
 {state_stores}
 
 
-@triton.jit
-def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
-    # columns [0, BK/2) and [BK/2, BK) of a [BN, BK] tile
-    return tl.split(tl.permute(tl.reshape(t, [BN, 2, BK // 2]), [0, 2, 1]))
-
-
 # the keys never specialized: a key of 1 would become a constexpr
 @triton.jit(do_not_specialize=["EKEY", "OFF0", {qkey_names}])
 def wgrad_update_q8_kernel(
@@ -148,47 +146,17 @@ def wgrad_update_q8_kernel(
     EPI_SPLIT: tl.constexpr,
 ):
     tl.static_assert((BLOCK_K // EPI_SPLIT) % 128 == 0)
-    # grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K (L2 reuse of the panels)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_k = tl.cdiv(K, BLOCK_K)
-    in_group = GROUP_N * num_k
-    first_n = (pid // in_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + ((pid % in_group) % group_size)
-    pid_k = (pid % in_group) // group_size
-    row0 = pid_n * BLOCK_N
-    col0 = pid_k * BLOCK_K
-    rn = row0 + tl.arange(0, BLOCK_N)
-    rk = col0 + tl.arange(0, BLOCK_K)
-
+    row0, col0 = _tile_origin(N, K, BLOCK_N, BLOCK_K, GROUP_N)
     if FROM_GRAD:
         # the unfused update: dW read from G (fp32 [N, K], row stride stride_gn)
+        rn = row0 + tl.arange(0, BLOCK_N)
+        rk = col0 + tl.arange(0, BLOCK_K)
         acc = tl.load(G + rn.to(tl.int64)[:, None] * stride_gn + rk[None, :],
                       mask=(rn < N)[:, None] & (rk < K)[None, :], other=0.0)
     else:
-        # out-of-range rows/cols wrap instead of being masked: the loop's loads stay unmasked in N and K, and
-        # the garbage rows/cols are never stored
-        rn_l = rn % N
-        rk_l = rk % K
-        rm = tl.arange(0, BLOCK_M)
-        a_ptrs = DYT + rn_l[:, None] * stride_dn + rm[None, :] * stride_dm
-        b_ptrs = X + rm[:, None] * stride_xm + rk_l[None, :] * stride_xk
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for m0 in range(0, M, BLOCK_M):
-            if EVEN_M:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(m0 + rm)[None, :] < M, other=0.0)
-                b = tl.load(b_ptrs, mask=(m0 + rm)[:, None] < M, other=0.0)
-            if UPCAST:
-                # fp32 activations, or the interpreter (its bf16 dot is wrong): an fp32 dot
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_M * stride_dm
-            b_ptrs += BLOCK_M * stride_xm
+        # out-of-range rows/cols always wrap (EVEN_NK off): the epilogue masks them
+        acc = _dw_tile(DYT, X, row0, col0, N, K, M, stride_dn, stride_dm, stride_xm, stride_xk,
+                       BLOCK_N, BLOCK_K, BLOCK_M, EVEN_M, False, UPCAST, DOT_PREC)
 
     if EPI_SPLIT == 1:
         _update(acc, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row0, col0, BLOCK_N, BLOCK_K)
@@ -335,9 +303,7 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
         dy_t = x = grad
         m, upcast, prec = 1, False, "ieee"
     else:
-        if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
-            raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
-                             f"{tuple(x.shape)} do not compose")
+        _check_shapes(weight, dy_t, x)
         m = x.shape[0]
         if m == 0:
             # the GEMM is empty: dW = 0, the rule still runs (weight decay, moment decay)
@@ -390,8 +356,9 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt
 # the blocked path: cuBLAS into a bounded row block of dW, then the update of that block
 
 
-# fp32 bytes of the dW row block the blocked path materializes at a time (32 MiB: 2048 rows of a 4096-wide weight)
-BLOCK_BYTES = 32 << 20
+# fp32 bytes of the dW row block the blocked path materializes at a time: the clip norm's dW blocks' bound (32 MiB,
+# 2048 rows of a 4096-wide weight)
+BLOCK_BYTES = SQNORM_BLOCK_BYTES
 
 
 def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int) -> None:
@@ -403,14 +370,12 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     point) at the unfused step's speed. Scalar states advance once, after the last block."""
     pairs, scalar_states = check_q8_states(weight, rule, states)
     n, k = weight.shape
-    if dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k or dy_t.shape[1] != x.shape[0]:
-        raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
-                         f"{tuple(x.shape)} do not compose")
+    _check_shapes(weight, dy_t, x)
     rows = max(1, min(n, BLOCK_BYTES // (4 * k)))
     new = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        g = _wgrad_mm(dy_t[r0:r1], x)
+        g = _mm_fp32(dy_t[r0:r1], x)
         block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
         kernel, grid, args, opts, _, new_b = _prepare(weight[r0:r1], None, None, block_states, hparams, rule, key,
                                                       salt, g, None, off0=r0 * k)
@@ -419,14 +384,6 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     with torch.no_grad():
         for s, v in zip(scalar_states, new or []):
             s.fill_(v)
-
-
-def _wgrad_mm(dy_t, x):
-    # dW in fp32 from the activations as they are: cuBLAS's bf16/fp16 GEMM with fp32 output (no bf16 round trip) on
-    # CUDA, an fp32 matmul elsewhere (the interpreter's tests) or for fp32 activations
-    if dy_t.is_cuda and dy_t.dtype == x.dtype and dy_t.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(dy_t, x, out_dtype=torch.float32)
-    return dy_t.float() @ x.float()
 
 
 def use_blocked(rule: Rule, m: int) -> bool:
@@ -443,8 +400,8 @@ def use_blocked(rule: Rule, m: int) -> bool:
 # the CPU path
 
 
-# dW bytes per CPU block (whole rows: 128-blocks lie inside rows), as wgrad_update_cpu's blocks: cache-sized
-CPU_BLOCK_BYTES = 2 << 20
+# dW bytes per CPU block (whole rows: 128-blocks lie inside rows): wgrad_update_cpu's, cache-sized
+CPU_BLOCK_BYTES = _CPU_BLOCK_BYTES
 
 
 def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None) -> None:
@@ -454,10 +411,8 @@ def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: in
 
     pairs, scalar_states = check_q8_states(weight, rule, states)
     n, k = weight.shape
-    if grad is None and (dy_t.dim() != 2 or x.dim() != 2 or dy_t.shape[0] != n or x.shape[1] != k
-                         or dy_t.shape[1] != x.shape[0]):
-        raise ValueError(f"forge: shapes weight {tuple(weight.shape)}, dy_t {tuple(dy_t.shape)}, x "
-                         f"{tuple(x.shape)} do not compose")
+    if grad is None:
+        _check_shapes(weight, dy_t, x)
     rows = max(1, CPU_BLOCK_BYTES // (4 * k))
     tensor_idx = [i for i, _, _ in pairs]
     ekey = element_key(key, salt)

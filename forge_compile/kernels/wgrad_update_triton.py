@@ -39,9 +39,72 @@ from .stochastic_round import TABLE_KEY, TRITON_SROUND
 log = logging.getLogger(__name__)
 
 __all__ = ["launch_wgrad_update", "rule_scalars", "pick_config", "render_kernel_source", "CONFIGS", "Config",
+           "TRITON_DW_TILE",
            "side_mode", "check_side_out", "SIDE_NONE", "SIDE_GRAD", "SIDE_CAST"]
 
-_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + '''
+# The weight-gradient tile of a program, for this module's template and wgrad_update_q8's: the grouped program order,
+# the dW tile accumulated in fp32 over the token dim, and the split of a tile into column halves (the epilogue chunks).
+TRITON_DW_TILE = '''
+
+@triton.jit
+def _tile_origin(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr):
+    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
+    # programs reuse dy_t and x panels from L2.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    in_group = GROUP_N * num_k
+    first_n = (pid // in_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + ((pid % in_group) % group_size)
+    pid_k = (pid % in_group) // group_size
+    return pid_n * BLOCK_N, pid_k * BLOCK_K
+
+
+@triton.jit
+def _dw_tile(DYT, X, row0, col0, N, K, M, stride_dn, stride_dm, stride_xm, stride_xk,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr,
+             EVEN_NK: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    rn = row0 + tl.arange(0, BLOCK_N)
+    rk = col0 + tl.arange(0, BLOCK_K)
+    # Wrap out-of-range rows/cols instead of masking them: the loop loads stay unmasked in N and K and
+    # the garbage rows/cols are never stored.
+    if EVEN_NK:
+        rn_l = rn
+        rk_l = rk
+    else:
+        rn_l = rn % N
+        rk_l = rk % K
+    rm = tl.arange(0, BLOCK_M)
+    a_ptrs = DYT + rn_l[:, None] * stride_dn + rm[None, :] * stride_dm
+    b_ptrs = X + rm[:, None] * stride_xm + rk_l[None, :] * stride_xk
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        if EVEN_M:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(m0 + rm)[None, :] < M, other=0.0)
+            b = tl.load(b_ptrs, mask=(m0 + rm)[:, None] < M, other=0.0)
+        if UPCAST:
+            # fp32 inputs, or the interpreter (its bf16 dot multiplies bit patterns): an fp32 dot in the
+            # precision torch.mm takes for fp32 (fp32_dot_precision: IEEE, or TF32 where torch allows it)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_M * stride_dm
+        b_ptrs += BLOCK_M * stride_xm
+    return acc
+
+
+@triton.jit
+def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
+    # columns [0, BK/2) and [BK/2, BK) of a [BN, BK] tile
+    return tl.split(tl.permute(tl.reshape(t, [BN, 2, BK // 2]), [0, 2, 1]))
+'''
+
+_TEMPLATE = TRITON_RULE_HEAD + TRITON_SROUND + TRITON_DW_TILE + '''
 
 @triton.jit
 def _ld(ptrs, mask, EVEN: tl.constexpr):
@@ -141,12 +204,6 @@ def _epilogue(g, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0,
         _chunk(g, W, {state_ptrs}GOUT, {scalar_params}EKEY, N, K, row0, col0, BN, BK, EVEN, STORE_GRAD)
 
 
-@triton.jit
-def _halves(t, BN: tl.constexpr, BK: tl.constexpr):
-    # columns [0, BK/2) and [BK/2, BK) of a [BN, BK] tile
-    return tl.split(tl.permute(tl.reshape(t, [BN, 2, BK // 2]), [0, 2, 1]))
-
-
 # EKEY never specialized: a key of 1 would become a constexpr
 @triton.jit(do_not_specialize=["EKEY"])
 def wgrad_update_kernel(
@@ -158,18 +215,7 @@ def wgrad_update_kernel(
     STORE_GRAD: tl.constexpr, EPI_SPLIT: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, PIPE: tl.constexpr,
     EXTRA: tl.constexpr = False, TKEY: tl.constexpr = False,
 ):
-{scalar_loads}{key_load}    # Grouped order: GROUP_N row-tiles of dW share their dy_t rows while sweeping K, so consecutive
-    # programs reuse dy_t and x panels from L2.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_k = tl.cdiv(K, BLOCK_K)
-    in_group = GROUP_N * num_k
-    first_n = (pid // in_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + ((pid % in_group) % group_size)
-    pid_k = (pid % in_group) // group_size
-    row0 = pid_n * BLOCK_N
-    col0 = pid_k * BLOCK_K
+{scalar_loads}{key_load}    row0, col0 = _tile_origin(N, K, BLOCK_N, BLOCK_K, GROUP_N)
 
     if PREFETCH:
         # issued before the token loop: the HBM reads of W/states overlap the GEMM
@@ -190,34 +236,8 @@ def wgrad_update_kernel(
 
     rn = row0 + tl.arange(0, BLOCK_N)
     rk = col0 + tl.arange(0, BLOCK_K)
-    # Wrap out-of-range rows/cols instead of masking them: the loop loads stay unmasked in N and K and
-    # the garbage rows/cols are never stored.
-    if EVEN_NK:
-        rn_l = rn
-        rk_l = rk
-    else:
-        rn_l = rn % N
-        rk_l = rk % K
-    rm = tl.arange(0, BLOCK_M)
-    a_ptrs = DYT + rn_l[:, None] * stride_dn + rm[None, :] * stride_dm
-    b_ptrs = X + rm[:, None] * stride_xm + rk_l[None, :] * stride_xk
-
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for m0 in range(0, M, BLOCK_M):
-        if EVEN_M:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=(m0 + rm)[None, :] < M, other=0.0)
-            b = tl.load(b_ptrs, mask=(m0 + rm)[:, None] < M, other=0.0)
-        if UPCAST:
-            # fp32 inputs, or the interpreter (its bf16 dot multiplies bit patterns): an fp32 dot in the
-            # precision torch.mm takes for fp32 (fp32_dot_precision: IEEE, or TF32 where torch allows it)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_M * stride_dm
-        b_ptrs += BLOCK_M * stride_xm
+    acc = _dw_tile(DYT, X, row0, col0, N, K, M, stride_dn, stride_dm, stride_xm, stride_xk,
+                   BLOCK_N, BLOCK_K, BLOCK_M, EVEN_M, EVEN_NK, UPCAST, DOT_PREC)
 
     if EXTRA:
         # a tied embedding's gradient rows (embedding_update.compact_rows): row r of dW gains EROWS[EPOS[r]]
