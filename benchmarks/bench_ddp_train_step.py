@@ -61,14 +61,10 @@ def worker(rank, world, port, cfg, route, out_path, run=None):
             json.dump(res, f)
 
 
-def run_route(rank, world, device, cfg, route) -> dict:
-    Llama = load_llama()
-    torch.manual_seed(0)
-    model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], vocab=cfg["vocab"])
-    wl = WithLoss(model, cfg["vocab"]).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(wl, device_ids=[rank] if device.type == "cuda" else None)
-    opt = make_optimizer(ddp, cfg["lr"], fused=True)
-    fwd = torch.compile(ddp) if route == "baseline" else ddp
+def route_step(model, opt, route, device):
+    """The route's train step on ``model`` (bf16 autocast): torch.compile(model) with torch's eager optimizer step for
+    the baseline, compile_train_step (step_graphs: replayed as a CUDA graph) for forge's routes."""
+    fwd = torch.compile(model) if route == "baseline" else model
 
     def body(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -78,10 +74,21 @@ def run_route(rank, world, device, cfg, route) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    report = None
     if route != "baseline":
         import forge_compile as forge
         body = forge.compile_train_step(body, cuda_graphs=route == "step_graphs")
+    return body
+
+
+def run_route(rank, world, device, cfg, route) -> dict:
+    Llama = load_llama()
+    torch.manual_seed(0)
+    model = Llama(cfg["d_model"], cfg["layers"], cfg["heads"], cfg["d_ff"], cfg["seq_len"], vocab=cfg["vocab"])
+    wl = WithLoss(model, cfg["vocab"]).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(wl, device_ids=[rank] if device.type == "cuda" else None)
+    opt = make_optimizer(ddp, cfg["lr"], fused=True)
+    body = route_step(ddp, opt, route, device)
+    report = None
     gen = torch.Generator().manual_seed(1000 + rank)
 
     def batch():

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ddp_train_step import free_port, timed_steps, worker  # noqa: E402
+from bench_ddp_train_step import free_port, route_step, timed_steps, worker  # noqa: E402
 from bench_train_step import LOSS_ATOL, WithLoss, _judged_steps, load_llama, make_optimizer  # noqa: E402
 
 ROUTES = ("baseline", "step", "step_graphs")
@@ -80,19 +80,7 @@ def run_route(rank, world, device, cfg, route) -> dict:
                                vocab=cfg["vocab"]), cfg["vocab"])
     parallelize(model, mesh)
     opt = make_optimizer(model, cfg["lr"], fused=device.type == "cuda")
-    fwd = torch.compile(model) if route == "baseline" else model
-
-    def body(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = fwd(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    if route != "baseline":
-        import forge_compile as forge
-        body = forge.compile_train_step(body, cuda_graphs=route == "step_graphs")
+    body = route_step(model, opt, route, device)
     gen = torch.Generator().manual_seed(1000)       # the same batches on every rank
 
     def batch(mb):

@@ -31,54 +31,28 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_wgrad_update as B  # noqa: E402  (the fp32 bench's inputs, baselines and constants: this folder)
 from forge_compile.kernels import q8_state as q8  # noqa: E402
 from forge_compile.kernels import wgrad_update_q8 as wq  # noqa: E402
 from forge_compile.kernels.stochastic_round import round_key  # noqa: E402
-from forge_compile.optim import rules as R  # noqa: E402
-
-BW, FLOPS = 4.27e12, 686e12     # the H200's measured copy bandwidth and bf16 dense peak (bench_wgrad_update.py)
-HP = {"adamw": (1e-3, 0.9, 0.999, 1e-8, 0.01), "sgdm": (1e-3, 0.9, 0.0), "lion": (1e-4, 0.9, 0.99, 0.01)}
-
-
-def rule_of(kind):
-    return {"adamw": R.adamw_rule, "sgdm": lambda: R.sgd_rule(momentum=True), "lion": R.lion_rule}[kind]()
 
 
 def make_inputs(kind, n, k, m, seed=0, exact=False):
-    """W fp32, fp32 states and their 8-bit copies (quantized from the same values), bf16 dY^T and X."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rule = rule_of(kind)
-    w = torch.randn(n, k, device="cuda", generator=g)
-    st32, st8 = [], []
-    for i, name in enumerate(rule.states):
-        if rule.is_scalar_state(i):
-            st32.append(torch.tensor(10.0))
-            st8.append(torch.tensor(10.0))
-            continue
-        if name == "exp_avg_sq":
-            s = torch.rand(n, k, device="cuda", generator=g) * 1e-4
-        else:
-            s = torch.randn(n, k, device="cuda", generator=g) * 1e-3
-        st32.append(s)
-        st8.append(list(q8.quantize(s, 1000 + i)))
+    """bench_wgrad_update's inputs (fp32 W and states, bf16 dY^T and X) and the states' 8-bit copies (quantized from
+    the same values); ``exact``: activations of small integers / 8 instead, so dW is exact in any summation order."""
+    rule, w, dy_t, x, st32, hp = B.make_inputs(kind, torch.bfloat16, n, k, m, seed)
+    st8 = [s.clone() if rule.is_scalar_state(i) else list(q8.quantize(s, 1000 + i)) for i, s in enumerate(st32)]
     if exact:
-        dy = (torch.randint(-4, 5, (m, n), device="cuda", generator=g).float() / 8).bfloat16()
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        dy_t = (torch.randint(-4, 5, (m, n), device="cuda", generator=g).float() / 8).bfloat16().t()
         x = (torch.randint(-4, 5, (m, k), device="cuda", generator=g).float() / 8).bfloat16()
-    else:
-        dy = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    hp = [torch.tensor(v, dtype=torch.float64) for v in HP[kind]]
-    return rule, w, dy.t(), x, st32, st8, hp
+    return rule, w, dy_t, x, st32, st8, hp
 
 
 def floor_q8_ms(rule, n, k, m):
     n_tensor = sum(1 for i in range(len(rule.states)) if not rule.is_scalar_state(i))
     nbytes = (8 + n_tensor * (2 + 8 / q8.BLOCK)) * n * k + 2 * m * (n + k)
-    return max(nbytes / BW, 2 * n * k * m / FLOPS) * 1e3
-
-
-def wgrad_mm(dy_t, x):
-    return torch.mm(dy_t, x, out_dtype=torch.float32)
+    return max(nbytes / B.BW, 2 * n * k * m / B.FLOPS) * 1e3
 
 
 def copy_states(st8):
@@ -107,29 +81,6 @@ def check_exact(kind, configs, n=520, k=640, m=300):
                 ok = ok and torch.equal(a[1], b[1]) and torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
         out[cfg] = ok
     return out
-
-
-def unfused_fp32(kind, rule, w, dy_t, x, st32, hp):
-    wb, sb = w.clone(), [s.clone() for s in st32]
-    h = [float(v) for v in HP[kind]]
-    if kind == "adamw":
-        stepb = torch.tensor(10.0, device="cuda")
-
-        def fn():
-            gr = wgrad_mm(dy_t, x)
-            torch._fused_adamw_([wb], [gr], [sb[1]], [sb[2]], [], [stepb], lr=h[0], beta1=h[1], beta2=h[2],
-                                weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False)
-    elif kind == "sgdm":
-        def fn():
-            gr = wgrad_mm(dy_t, x)
-            torch._fused_sgd_([wb], [gr], [sb[0]], weight_decay=0.0, momentum=h[1], lr=h[0], dampening=h[2],
-                              nesterov=False, maximize=False, is_first_step=False)
-    else:
-        def fn():
-            gr = wgrad_mm(dy_t, x)
-            with torch.no_grad():
-                rule.apply(wb, gr, sb, hp)
-    return fn
 
 
 def fused_fp32(rule, w, dy_t, x, st32, hp):
@@ -176,11 +127,11 @@ def main():
                 w_a, st_a = w.clone(), copy_states(st8)
                 w_b, st_b = w.clone(), copy_states(st8)
                 wq.launch_wgrad_update_q8(w_a, dy_t, x, st_a, hp, rule, key=key, salt=1)
-                g = wgrad_mm(dy_t, x)
+                g = B.wgrad_mm(dy_t, x)
                 wq.launch_wgrad_update_q8(w_b, dy_t, x, st_b, hp, rule, key=key, salt=1, grad=g)
                 row["check_max_dw"] = (w_a - w_b).abs().max().item()
                 row["check_frac_w_differ"] = (w_a != w_b).float().mean().item()
-                row["unfused_fp32"] = t(unfused_fp32(kind, rule, w, dy_t, x, st32, hp))
+                row["unfused_fp32"] = t(B.make_unfused(kind, rule, w, dy_t, x, st32, hp)[0])
                 fn, row["fused_fp32_kernel"] = fused_fp32(rule, w, dy_t, x, st32, hp)
                 row["fused_fp32"] = t(fn)
                 # the unfused q8 step with its best config too (the update of a stored dW is its own sweep)
@@ -189,7 +140,7 @@ def main():
                     wu, su = w.clone(), copy_states(st8)
                     try:
                         upd = wq.bound_launch(wu, dy_t, x, su, hp, rule, key=key, salt=1, grad=g, config=cfg)
-                        unf[cfg] = t(lambda: (wgrad_mm(dy_t, x), upd()))
+                        unf[cfg] = t(lambda: (B.wgrad_mm(dy_t, x), upd()))
                     except Exception:  # noqa: BLE001 -- reported with the fused configs' failures
                         pass
                 row["unfused_q8_best"] = min(unf, key=unf.get)
@@ -197,7 +148,7 @@ def main():
                 # the blocked path as the op runs it (host part included: prepared at every call), dW 32 MiB at most
                 wbk, sbk = w.clone(), copy_states(st8)
                 row["blocked_q8"] = t(lambda: wq.wgrad_update_q8_blocked(wbk, dy_t, x, sbk, hp, rule, key=key, salt=1))
-                row["mm"] = t(lambda: wgrad_mm(dy_t, x))
+                row["mm"] = t(lambda: B.wgrad_mm(dy_t, x))
                 fused = {}
                 for cfg in configs:
                     wf, sf = w.clone(), copy_states(st8)
