@@ -189,11 +189,14 @@ def linear_weight_names(model):
     return [canon[id(m.weight)] for _, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def decay_groups(model) -> list[dict]:
+    """Weight decay 0.1 on the matrices, none on biases and norms."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def make_optimizer(model, lr, fused):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return torch.optim.AdamW(decay_groups(model), lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def build_optimizer(model, route, lr, forge_fused="auto"):
@@ -203,10 +206,8 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
     if route == "baseline_8bit":
         from forge_compile.optim import AdamW8bit
 
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        return (AdamW8bit([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                          lr=lr, betas=(0.9, 0.95), eps=1e-8), False, "forge.optim.AdamW8bit (eager step)")
+        return (AdamW8bit(decay_groups(model), lr=lr, betas=(0.9, 0.95), eps=1e-8), False,
+                "forge.optim.AdamW8bit (eager step)")
     if route in FORGE_ROUTES and forge_fused == "off":
         return make_optimizer(model, lr, fused=False), False, ""
     try:

@@ -33,6 +33,7 @@ import torch
 
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
+from .lion import Lion
 from .rule import Rule
 from .rules import adamw_rule, lion_rule
 
@@ -205,6 +206,4 @@ class Lion8bit(Rule8bitOptimizer):
         super().__init__(params, lion_rule(), seed=seed, min_8bit_size=min_8bit_size, lr=lr, betas=tuple(betas),
                          weight_decay=weight_decay)
 
-    def group_hparams(self, group: dict) -> list[float]:
-        b1, b2 = group["betas"]
-        return [float(group["lr"]), float(b1), float(b2), float(group["weight_decay"])]
+    group_hparams = Lion.group_hparams      # the same group options as forge's Lion
