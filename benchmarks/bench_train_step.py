@@ -15,7 +15,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
   step      forge.compile_train_step(forward, loss.backward(), opt.step(), opt.zero_grad(set_to_none=True))
   backend   torch.compile(model, backend="forge", dynamic=False, options={"optimizer": opt}) + opt.step()
   baseline_8bit  (only with --routes) the baseline with forge.optim.AdamW8bit (8-bit moments, eager step): the
-            memory and speed of 8-bit states before forge fuses them
+            memory and speed of 8-bit states without forge's capture
+  step_8bit (only with --routes) step with forge.optim.AdamW8bit: the 8-bit states' updates fused with their weight
+            gradients (forge::wgrad_update_q8_)
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
@@ -85,13 +87,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gpu_power import PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
-ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_cast", "step_graphs", "step_graphs_group",
+ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_8bit", "step_cast", "step_graphs",
+          "step_graphs_group",
           "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
           "step_graphs_cast_pdl", "backend", "backend_graphs", "backend_graphs_group",
           "backend_graphs_pdl")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",
+STEP_ROUTES = ("step", "step_8bit", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_pdl",
+               "step_graphs_recompute",
                "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
 GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",   # replayed CUDA graphs
@@ -203,11 +207,11 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
     """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
     unless forge raises UnsupportedOptimizerError for it); forge's eager AdamW8bit (8-bit moments) for
     baseline_8bit. Returns (optimizer, fused flag, note)."""
-    if route == "baseline_8bit":
+    if route in ("baseline_8bit", "step_8bit"):
         from forge_compile.optim import AdamW8bit
 
         return (AdamW8bit(decay_groups(model), lr=lr, betas=(0.9, 0.95), eps=1e-8), False,
-                "forge.optim.AdamW8bit (eager step)")
+                "forge.optim.AdamW8bit" + (" (eager step)" if route == "baseline_8bit" else ""))
     if route in FORGE_ROUTES and forge_fused == "off":
         return make_optimizer(model, lr, fused=False), False, ""
     try:
@@ -256,7 +260,7 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
             opt.zero_grad(set_to_none=True)
             return loss
         return forge.compile_train_step(body, models=wl, optimizers=opt, options=io,
-                                        cuda_graphs=route not in ("step", "step_cast"),
+                                        cuda_graphs=route not in ("step", "step_8bit", "step_cast"),
                                         recompute_weight_copies=route == "step_graphs_recompute",
                                         cast_weights_in_update=route.endswith("_cast"),
                                         stochastic_rounding=stochastic_rounding), None

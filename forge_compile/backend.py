@@ -61,7 +61,8 @@ from .kernels.wgrad_update import triton_on_cpu
 from .kernels.wgrad_update_triton import split_states
 from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
-from .optim.translate import flush_step_mirrors, hparam_values, plan_optimizer, prepare_states
+from .optim.translate import (flush_step_mirrors, hparam_values, is_8bit_optimizer, plan_optimizer,
+                              prepare_states)
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
 from .passes.wgrad_update_pattern import _VIEW_OPS, fp32_activation_note, rewrite_wgrad_updates
 from .report import FusionReport
@@ -411,8 +412,11 @@ class _Extras:
     backwards of a parameter, when its state objects changed, and once per group when a scheduler
     changed its values). Nothing reads a device tensor."""
 
-    def __init__(self, opt, entries, table=None, seed=None, key_input=False):
+    def __init__(self, opt, entries, table=None, seed=None, key_input=False, own_keys=False):
         self.opt = opt
+        # ``own_keys``: a Rule8bitOptimizer's parameter takes its rounding key after its hyper-parameters,
+        # round_key(its group's seed, its count: ``step``, else ``q8_count``, which advances after the update)
+        self.own_keys = own_keys
         # stochastic rounding (``seed``): with ``key_input`` a 0-dim int64 key tensor appended last, filled before
         # each backward; with a table the rounded rows hold their element keys instead (table_rounds: row -> salt)
         self.seed = seed
@@ -440,6 +444,8 @@ class _Extras:
             elif e.with_states:
                 out.extend(e.states)
                 out.extend(e.hparams.tensors)
+                if self.own_keys:
+                    out.append(self._own_key(e))
         if self.table is not None:
             # the scalars as a normal launch would get them; the scalar states advance here
             rounds = self.table_rounds
@@ -452,6 +458,20 @@ class _Extras:
             self.key.fill_(round_key(self.seed, _tracker(self.opt).steps))
             out.append(self.key)
         return out
+
+
+    def _own_key(self, e) -> torch.Tensor:
+        names = e.plan.state_names
+        count = e.states[names.index("step" if "step" in e.plan.rule.scalar_states else "q8_count")]
+        seed = self.opt.param_groups[e.plan.group_index]["seed"]
+        return torch.tensor(round_key(int(seed), int(count)), dtype=torch.int64)
+
+    def after_update(self) -> None:
+        """A fused backward ran: the ``q8_count`` of each such parameter advances, as its eager step does."""
+        if self.own_keys:
+            for e in self.entries:
+                if e.with_states and "q8_count" in e.plan.state_names:
+                    e.states[e.plan.state_names.index("q8_count")] += 1
 
 
 def _peek_states(opt, pl):
@@ -524,6 +544,12 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
         for i, arg in enumerate(_compat.op_schema(n.target).arguments):
             v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name, arg.default_value)
             kwargs[arg.name] = list(v) if isinstance(v, (list, tuple)) else v
+        if n.target is _Q8:
+            # weight, codes, scales, scalar states: outputs 1-4 of auto_functionalized
+            copies += _auto_functionalize(graph, n, kwargs, [(1, n.args[0]), (2, list(n.args[3])),
+                                                             (3, list(n.args[4])), (4, list(n.args[5]))],
+                                          fake_mode, af_op)
+            continue
         # each op mutates its weight(s) first and its states second (outputs 1 and 2 of auto_functionalized)
         weight, states = n.args[0], list(n.args[3])
         weight = list(weight) if isinstance(weight, (list, tuple)) else weight
@@ -537,13 +563,14 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
 
 
 _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
+_Q8 = torch.ops.forge.wgrad_update_q8_.default
 # an embedding's fused update: with hyper-parameters, from a scalar table, rounded stochastically
 _EMBEDDING_OPS = (torch.ops.forge.embedding_update_.default, torch.ops.forge.embedding_update_table_.default,
                   torch.ops.forge.embedding_update_rounded_.default)
 # every op the pass (and the table and grouping passes) may leave in a backward: functionalized alike
 _FUSED_OPS = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default, _ROUNDED,
               torch.ops.forge.wgrad_update_group_.default, torch.ops.forge.wgrad_update_group_table_.default,
-              *_EMBEDDING_OPS)
+              *_EMBEDDING_OPS, _Q8)
 
 
 def _rounding_note(cands, unfused) -> str | None:
@@ -581,6 +608,16 @@ class _Compilation:
                       for i in range(len(self.input_ids))]
         self.plans = {}
         self.salts = {}     # stochastic rounding: a parameter's index in the optimizer salts its bits (as route 1's)
+        # a Rule8bitOptimizer (AdamW8bit): each update's rounding key is round_key(its group's seed, its own count),
+        # appended per parameter at every backward (_Extras); its bf16 parameters round with those keys, never with
+        # stochastic_rounding's; no scalar table (the keys and counts are host values)
+        self.q8 = optimizer is not None and is_8bit_optimizer(optimizer)
+        if self.q8:
+            if sr_seed is not None:
+                log.info("forge backend: stochastic_rounding does not apply to %s: it rounds its bf16 parameters "
+                         "with its own keys", type(optimizer).__name__)
+            self.sr_seed = sr_seed = None
+            self.scalar_table = False
         if optimizer is not None:
             for salt, pl in enumerate(plan_optimizer(optimizer)):      # raises UnsupportedOptimizerError up front
                 self.plans[id(pl.param)] = pl
@@ -661,12 +698,14 @@ class _Compilation:
                 last_ph.meta["val"] = _fake(fake_mode, val)
                 return last_ph
 
-            ph_of, names = {}, {}
+            ph_of, names, key_of = {}, {}, {}
             for i, pl in cands:
                 states, hps = _peek_states(self.optimizer, pl)
                 w = add_placeholder(f"forge_param_{i}", pl.param.detach())
                 s_nodes = [add_placeholder(f"forge_state_{i}_{k}", s) for k, s in enumerate(states)]
                 h_nodes = [add_placeholder(f"forge_hparam_{i}_{k}", h) for k, h in enumerate(hps)]
+                if self.q8:      # the parameter's own rounding key (_Extras.tensors)
+                    key_of[i] = add_placeholder(f"forge_key_{i}", torch.zeros((), dtype=torch.int64))
                 ph_of[i] = (w, s_nodes, h_nodes)
                 names[w] = self.names[i]
             # stochastic rounding: one key input for the graph's bf16 weights (_Extras fills it per step)
@@ -693,10 +732,21 @@ class _Compilation:
             with graph.inserting_before(out_node):
                 for i, pl in cands:
                     w, s_nodes, h_nodes = ph_of[i]
-                    rounding = ((key_ph, self.salts[id(pl.param)])
-                                if key_ph is not None and pl.param.dtype == torch.bfloat16 else ())
-                    a = graph.call_function(torch.ops.forge.apply_rule_.default,
-                                            (w, outs[i], s_nodes, h_nodes, pl.rule.name, *rounding))
+                    salt = self.salts[id(pl.param)]
+                    if pl.q8:
+                        of = lambda suffix: [n for name, n in zip(pl.state_names, s_nodes)  # noqa: E731
+                                             if name.endswith(suffix)]
+                        scalars = [n for name, n in zip(pl.state_names, s_nodes) if name in pl.rule.scalar_states]
+                        a = graph.call_function(torch.ops.forge.apply_rule_q8_.default,
+                                                (w, outs[i], of("_codes"), of("_scales"), scalars, h_nodes,
+                                                 pl.rule.name, key_of[i], salt))
+                    else:
+                        key = key_of[i] if self.q8 else key_ph
+                        rounding = (key, salt) if key is not None and pl.param.dtype == torch.bfloat16 else ()
+                        # (a Rule8bitOptimizer's count, q8_count, follows the rule's states)
+                        a = graph.call_function(torch.ops.forge.apply_rule_.default,
+                                                (w, outs[i], s_nodes[:len(pl.rule.states)], h_nodes, pl.rule.name,
+                                                 *rounding))
                     applies[a] = i
             new_outs = list(outs)
             for i, _ in cands:
@@ -712,8 +762,8 @@ class _Compilation:
             # Unfused parameters: drop the update and give the gradient back to opt.step(); their states
             # and hyper-parameters are not passed; W stays an input only if a rerouted view reads it.
             unfused = set()
-            for a in [n for n in graph.nodes if n.op == "call_function"
-                      and n.target is torch.ops.forge.apply_rule_.default]:
+            for a in [n for n in graph.nodes if n.op == "call_function" and n.target in (
+                    torch.ops.forge.apply_rule_.default, torch.ops.forge.apply_rule_q8_.default)]:
                 i = applies[a]
                 unfused.add(i)
                 new_outs[i] = a.args[1]
@@ -723,7 +773,7 @@ class _Compilation:
             for i, pl in cands:
                 w, s_nodes, h_nodes = ph_of[i]
                 if i in unfused:
-                    for n in s_nodes + h_nodes:
+                    for n in s_nodes + h_nodes + ([key_of[i]] if i in key_of else []):
                         graph.erase_node(n)
                     if w.users:
                         passed.append((pl, False, w))
@@ -757,7 +807,7 @@ class _Compilation:
 
             extra_fakes = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"][len(placeholders):]
             extras = _Extras(self.optimizer, [(pl, with_states) for pl, with_states, _ in passed], table,
-                             self.sr_seed, key_input=key_ph is not None)
+                             self.sr_seed, key_input=key_ph is not None, own_keys=self.q8)
             if table is not None:
                 # the appended inputs (parameters, their states, the table) keep their addresses from call to call:
                 # Inductor's CUDA graphs neither copy them nor refuse the updates' in-place writes to them
@@ -784,7 +834,7 @@ class _Compilation:
             return self._finish(original, example_inputs, compile_fx_inner, kwargs, captured, report, None,
                                 _roles_text(original, len(placeholders), {}, self.names, self.plans,
                                             self.input_ids))
-        roles = _roles_text(gm, len(placeholders), ph_of, self.names, self.plans, self.input_ids)
+        roles = _roles_text(gm, len(placeholders), ph_of, self.names, self.plans, self.input_ids, key_of)
         runtime = None
         if fused_plans:
             unfused_variant = _UnfusedVariant(original, list(example_inputs), kwargs, self.inductor_options)
@@ -998,6 +1048,7 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
         # a fused/capturable group's device ``step`` was advanced through its CPU mirror: write it back, so
         # opt.state (checkpoints, a later unfused opt.step()) counts the steps forge took
         flush_step_mirrors()
+        extras.after_update()
         tracker.updated.update(fused_names)
         tracker.deferred.update(fused_grad_ids)
         counters["fused_backward"] += 1
@@ -1008,7 +1059,7 @@ def _wrap_backward(compiled, extras: _Extras, fused_names: dict, unfused: _Unfus
     return forge_backward
 
 
-def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
+def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids, key_of=None) -> str:
     """What forge did to a backward graph, with inputs named by role and everything forge did not
     touch left out: the fused ops, every read of a fused weight, the write-backs and which gradients
     remain. Stable across torch versions where the full AOT graph is not."""
@@ -1018,11 +1069,14 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
             roles[n] = "tangent" if n.name.startswith("tangent") else "saved"
     weights = {}
     for i, (w, s_nodes, h_nodes) in ph_of.items():
-        rule = plans[input_ids[i]].rule
+        plan = plans[input_ids[i]]
+        rule = plan.rule
         roles[w] = names[i]
         weights[w] = names[i]
         for k, sn in enumerate(s_nodes):
-            roles[sn] = rule.states[k]
+            roles[sn] = plan.state_names[k]
+        if key_of and i in key_of:
+            roles[key_of[i]] = "round_key"
         for k, hn in enumerate(h_nodes):
             roles[hn] = rule.hparams[k]
 
@@ -1043,7 +1097,8 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
     group_op = torch.ops.forge.wgrad_update_group_.default
     af = _compat.auto_functionalized()
     fused = {n.kwargs["weight"] for n in gm.graph.nodes
-             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED, *_EMBEDDING_OPS)}
+             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED, _Q8,
+                                                                                          *_EMBEDDING_OPS)}
     fused |= {w for n in gm.graph.nodes
               if n.op == "call_function" and n.target is af and n.args and n.args[0] is group_op
               for w in n.kwargs["weights"]}
@@ -1060,6 +1115,14 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids) -> str:
                          f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
                          f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}{rounded}"
                          f"{', emb_rows' if kw.get('emb_grad_output') is not None else ''})")
+        elif n.target is af and n.args and n.args[0] is _Q8:
+            kw = n.kwargs
+            lines.append(f"wgrad_update_q8_(W={roles[kw['weight']]}, dy_t={describe(kw['dy_t'])}, "
+                         f"x={describe(kw['x'])}, codes=[{', '.join(roles[x] for x in kw['codes'])}], "
+                         f"scales=[{', '.join(roles[x] for x in kw['scales'])}], "
+                         f"scalar_states=[{', '.join(roles[x] for x in kw['scalar_states'])}], "
+                         f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}, "
+                         f"round_key={roles.get(kw['round_key'], 'computed')}, salt={kw['round_salt']})")
         elif n.target is af and n.args and n.args[0] in _EMBEDDING_OPS:
             kw = n.kwargs
             last = (f"scalars={describe(kw['scalars'])}" if "scalars" in kw else

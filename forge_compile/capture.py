@@ -37,12 +37,12 @@ from .graph_printer import format_graph
 from .optim.rule import decompose_apply_rule, grad_scaled_rule
 from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
-                              plan_and_structure_key, prepare_states)
+                              is_8bit_optimizer, plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, written_args
 from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .kernels.stochastic_round import element_key, round_key
+from .kernels.stochastic_round import element_key, round_key, round_key_t
 from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates, stochastic_rounding_note
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -443,10 +443,13 @@ class CompiledTrainStep:
                 if closure is not None:
                     raise ForgeCaptureError("forge: optimizer.step(closure) is not supported")
                 with torch.no_grad():
-                    for pl, s, h, salt in by_opt.get(id(opt), []):
+                    for own, (pl, s, h, salt) in enumerate(by_opt.get(id(opt), [])):
                         t = traced[id(pl.param)]
                         if t.grad is None:
                             continue       # torch.optim skips parameters without a gradient
+                        if is_8bit_optimizer(opt):
+                            _update_8bit(opt, pl, t, s, h, own)
+                            continue
                         if t.grad.layout != torch.strided:
                             # Inductor compiles dense tensors only: the step failed at run time, mid-update
                             raise ForgeCaptureError(
@@ -595,6 +598,12 @@ class CompiledTrainStep:
         ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
         replayed as a graph and runs as without cuda_graphs. ``n_casts``: weight-copy placeholders between the
         hyper-parameters and the step's tensor arguments (cast_weights_in_update)."""
+        if any(is_8bit_optimizer(opt) for opt, _ in plans):
+            # their rounding keys are computed in the graph from CPU step counts, which a replay would not advance
+            why = "a Rule8bitOptimizer's updates compute their rounding keys from CPU step counts"
+            report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {why}")
+            log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", why)
+            return None
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         plan_of, scalar_inputs = {}, set()
         pos = first_state
@@ -962,6 +971,27 @@ def _clone_notes():
         log.warning("forge: Inductor could not update %d bytes in place (a tensor was cloned)", missed)
         return [f"Inductor cloned {missed} bytes it could not update in place"]
     return []
+
+
+def _update_8bit(opt, pl, t, states, hparams, salt) -> None:
+    """A Rule8bitOptimizer's update of the traced parameter ``t``, as its eager ``step`` makes it (bitwise where
+    unfused): the rounding key ``round_key(the group's seed, the parameter's count)`` computed in the graph from the
+    count it reads (``step``, or ``q8_count``, advanced here), the 8-bit states through ``forge::apply_rule_q8_``
+    (which the pattern pass fuses with the matmul of dW), full-precision ones through ``apply_rule_`` (a bf16
+    parameter rounded stochastically with the same key). ``salt``: the parameter's index in its optimizer."""
+    rule, names = pl.rule, pl.state_names
+    count = states[names.index("step" if "step" in rule.scalar_states else "q8_count")]
+    key = round_key_t(int(opt.param_groups[pl.group_index]["seed"]), count)
+    if pl.q8:
+        of = lambda suffix: [s for n, s in zip(names, states) if n.endswith(suffix)]   # noqa: E731
+        scalars = [s for n, s in zip(names, states) if n in rule.scalar_states]
+        torch.ops.forge.apply_rule_q8_(t, t.grad, of("_codes"), of("_scales"), scalars, hparams, rule.name, key, salt)
+    elif t.dtype == torch.bfloat16:
+        torch.ops.forge.apply_rule_(t, t.grad, list(states[:len(rule.states)]), hparams, rule.name, key, salt)
+    else:
+        torch.ops.forge.apply_rule_(t, t.grad, list(states[:len(rule.states)]), hparams, rule.name)
+    if "q8_count" in names:
+        count.add_(1)
 
 
 @contextlib.contextmanager

@@ -185,18 +185,25 @@ def test_thread_cpu_snapshot_sees_this_thread():
     assert me[0] >= 0 and me[1]
 
 
-def test_cpu_smoke_run_of_the_8bit_baseline(tmp_path, capsys):
-    # forge.optim.AdamW8bit behind torch.compile: trains, its states (8-bit for the 64x64-and-larger weights) smaller
+def test_cpu_smoke_run_of_the_8bit_routes(tmp_path, capsys):
+    # forge.optim.AdamW8bit behind torch.compile (eager step) and under compile_train_step (fused): both train, their
+    # states (8-bit for the 64x64-and-larger weights) smaller; the compiled step is the eager optimizer's update
+    # (tests/test_train_step_8bit.py), so its losses follow the 8-bit baseline's
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2", "--warmup", "1",
-                          "--iters", "2", "--time-budget", "600", "--routes", "baseline,baseline_8bit"])
+                          "--iters", "2", "--time-budget", "600", "--routes", "baseline,baseline_8bit,step_8bit"])
     capsys.readouterr()
     runs = {r["route"]: r for r in summary["runs"]}
     for route, r in runs.items():
         assert r["status"] == "ok", (route, r.get("error"), r.get("traceback"))
         assert all(math.isfinite(l) for l in r["check_losses"])
-    assert runs["baseline_8bit"]["state_bytes"] < 0.5 * runs["baseline"]["state_bytes"]
-    assert runs["baseline_8bit"]["check_losses"][0] == runs["baseline"]["check_losses"][0]
+    for route in ("baseline_8bit", "step_8bit"):
+        assert runs[route]["state_bytes"] < 0.5 * runs["baseline"]["state_bytes"]
+        assert runs[route]["check_losses"][0] == runs["baseline"]["check_losses"][0]
+    assert runs["step_8bit"]["state_bytes"] == runs["baseline_8bit"]["state_bytes"]
+    assert runs["step_8bit"]["fused_linear"] == runs["step_8bit"]["linear_weights"] > 0
+    # two correct executions of the same 8-bit steps (the forward/backward compiled in one graph or in two)
+    assert math.isclose(runs["step_8bit"]["check_losses"][1], runs["baseline_8bit"]["check_losses"][1], rel_tol=1e-3)
 
 
 def test_cpu_smoke_run_of_main(tmp_path, capsys):

@@ -128,6 +128,12 @@ def scenarios(rank, device, cuda_graphs=False):
     run("mlp_uneven", MLP(16, 64, 32), sgd, lambda i: ([rnd(3 + rank, 16)], [rnd(3 + rank, 32)]))
     # BatchNorm's running statistics: rank 0's broadcast before each forward
     run("bn_buffers", BNMLP(), sgd, lambda i: ([rnd(4, 16)], [rnd(4, 8)]))
+    # 8-bit states (forge.optim.AdamW8bit; both weights 8-bit): fused with the gathered operands, every rank
+    # rounding with the same keys
+    from forge_compile.optim import AdamW8bit
+
+    run("mlp_adamw8bit", MLP(16, 64, 32), lambda ps: AdamW8bit(ps, lr=1e-2, min_8bit_size=1000),
+        lambda i: ([rnd(4, 16)], [rnd(4, 32)]))
     # bf16 weights rounded stochastically: every rank draws the same bits (eager DDP rounds to nearest: not compared)
     run("mlp_bf16_sr", MLP(16, 64, 32).to(torch.bfloat16), sgd,
         lambda i: ([rnd(4, 16).to(torch.bfloat16)], [rnd(4, 32)]), stochastic_rounding=True)
@@ -233,6 +239,13 @@ def check(results, graphs=False):
         assert set(r["fused"]) == {"model.module.fc1.weight", "model.module.fc2.weight"}, r
         assert any("stochastic_rounding: 4 bf16 parameters" in n for n in r["notes"]), r
         assert 0 < max(r["diff"].values()) < 0.1, r      # it trained, near eager DDP's round-to-nearest training
+        r = res["mlp_adamw8bit"]
+        assert r["spread"] == 0.0, r
+        assert set(r["fused"]) == {"model.module.fc1.weight", "model.module.fc2.weight"}, r
+        assert all("8-bit states" in why and f"the mean over {world} ranks" in why for why in r["fused"].values()), r
+        # the mean gradient summed in another order than eager DDP's: an 8-bit state code may round the other way,
+        # moving that element's AdamW step (lr 1e-2) by a fraction of it
+        assert max(r["diff"].values()) <= 5e-3, r
         r = res["no_sync"]
         assert r["spread"] == 0.0 and max(r["diff"].values()) <= 1e-6, r
         assert "accumulates into the .grad" in r["unfused"]["model.module.fc1.weight"], r

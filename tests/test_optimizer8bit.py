@@ -1,8 +1,8 @@
 """optim/optimizer8bit.py: optimizers with 8-bit block-wise states (AdamW8bit, Lion8bit, Rule8bitOptimizer). Their
 8-bit parameters' updates are the spec (q8_state.reference_q8_update with the rule, bitwise; on CPU the blocked CPU
 path, under the interpreter and on CUDA the Triton kernel), AdamW8bit's small parameters torch.optim.AdamW's, a
-checkpoint resumes bitwise, AdamW8bit follows fp32 AdamW on a regression, and both forge routes refuse them before
-touching anything."""
+checkpoint resumes bitwise and AdamW8bit follows fp32 AdamW on a regression. compile_train_step with them:
+tests/test_train_step_8bit.py."""
 import contextlib
 import copy
 import os
@@ -111,8 +111,13 @@ def test_lion8bit_and_a_rule_without_a_step_follow_the_spec_bitwise(which):
     name = [n for i, n in enumerate(rule.states) if not rule.is_scalar_state(i)][0]
     assert torch.equal(opt.dequantized_state(w)[name], q8.dequantize(*states[ref[0].weight][rule.states.index(name)]))
     assert ("q8_count" in opt.state[w]) == (which == "sgd_momentum")
-    with pytest.raises(forge.UnsupportedOptimizerError, match="8-bit states are not fused yet"):
-        forge.optim.plan_optimizer(opt)
+    # forge's plan of it (compile_train_step, tests/test_train_step_8bit.py): the 8-bit weight's codes and scales by
+    # name, the count where the rule has none
+    plans = forge.optim.plan_optimizer(opt)
+    assert [pl.q8 for pl in plans] == [True, False, False, False]
+    tensor_state = [n for i, n in enumerate(rule.states) if not rule.is_scalar_state(i)][0]
+    assert f"{tensor_state}_codes" in plans[0].state_names and f"{tensor_state}_scales" in plans[0].state_names
+    assert ("q8_count" in plans[0].state_names) == (which == "sgd_momentum")
 
 
 def test_with_no_8bit_parameter_it_is_torch_adamw():
@@ -200,31 +205,6 @@ def test_bad_parameters_and_arguments_are_refused():
     m(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
-
-
-def test_compile_train_step_refuses_it_before_touching_anything():
-    model = _model()
-    opt = AdamW8bit(model.parameters(), **HP)
-    before = [p.detach().clone() for p in model.parameters()]
-
-    @forge.compile_train_step
-    def step(x, y):
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    x, y = _batches(1)[0]
-    with pytest.raises(forge.UnsupportedOptimizerError, match="8-bit states are not fused yet"):
-        step(x, y)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert not opt.state
-    # the Dynamo route refuses it at compile time, with the same reason (Dynamo wraps the backend's error)
-    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
-    with pytest.raises(Exception, match="UnsupportedOptimizerError.*8-bit states are not fused yet"):
-        cm(x).sum().backward()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def _kernel_path_is_the_spec(device):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hash32", "round_key", "element_key", "element_key_t", "element_bits", "random_bits",
+__all__ = ["hash32", "round_key", "round_key_t", "element_key", "element_key_t", "element_bits", "random_bits",
            "stochastic_round_bf16", "stochastic_round_bf16_at", "table_row", "TABLE_KEY", "TRITON_SROUND",
            "GLUON_SROUND"]
 
@@ -75,6 +75,12 @@ def table_row(values, ekey=None, width: int = 0) -> torch.Tensor:
     if ekey is not None:
         row.view(torch.int32)[len(values)] = int(ekey)
     return row
+
+
+def round_key_t(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """``round_key`` of a counter held in a 0-dim tensor (an optimizer's ``step``, float32: its integer value), as a
+    0-dim int64 tensor: computed inside a traced step, where the counter is a graph input."""
+    return _hash32_t(_hash32_t(counter.to(torch.int64) & _M32) ^ (seed & _M32))
 
 
 def element_key_t(key: torch.Tensor, salt: int) -> torch.Tensor:

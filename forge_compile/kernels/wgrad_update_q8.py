@@ -1,8 +1,9 @@
 """The fused update with 8-bit block-wise optimizer states: the weight-gradient GEMM whose epilogue reads each tensor
 state as e4m3 codes times per-128-element scales (kernels/q8_state.py is the format's spec), runs the rule in fp32
 and stores the new states quantized again, stochastically rounded (roadmap: "8-bit block-wise optimizer states
-inside the same epilogue"). Used by forge.optim.AdamW8bit's eager step (the stored-dW update); no capture pass emits
-the fused op yet.
+inside the same epilogue"). Used by forge.optim.AdamW8bit's eager step (the stored-dW update, also the op
+forge::apply_rule_q8_ that compile_train_step emits for it) and by forge::wgrad_update_q8_, into which the pattern
+pass fuses that op with its weight gradient's matmul.
 
 Why: from M = 2048 tokens on, the fp32 fused step's cost is moving W, m and v -- 24 bytes per element for AdamW,
 which under the H100/H200 power cap costs a constant ~0.09 ms per 4096x4096 weight whatever the schedule
@@ -51,7 +52,7 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "use_blocked", "wgrad_update_q8_cpu",
+           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
 
@@ -396,6 +397,15 @@ def use_blocked(rule: Rule, m: int) -> bool:
     return not (n_tensor <= 1 and m <= 256)
 
 
+def dw_block_bytes(n: int, k: int, rule: Rule, m: int, device_type: str) -> int:
+    """Bytes of dW that the update of an [n, k] weight at ``m`` tokens holds at once: a row block of the blocked path
+    (CUDA, ``use_blocked``; the fused kernel none), of the CPU path (cache-sized) on CPU."""
+    if device_type == "cuda" and not use_blocked(rule, m):
+        return 0
+    limit = BLOCK_BYTES if device_type == "cuda" else CPU_BLOCK_BYTES
+    return min(n, max(1, limit // (4 * k))) * 4 * k
+
+
 # ----------------------------------------------------------------------------------------------------
 # the CPU path
 
@@ -468,15 +478,22 @@ def _states(rule: Rule, codes, scales, scalar_states) -> list:
     return out
 
 
-def wgrad_update_q8_(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
+def _op_states(op: str, rule: str, codes, scales, scalar_states) -> list:
     r = get_rule(rule)
     n_tensor = sum(1 for i in range(len(r.states)) if not r.is_scalar_state(i))
     if len(codes) != n_tensor or len(scales) != n_tensor or len(scalar_states) != len(r.states) - n_tensor:
-        raise ValueError(f"forge::wgrad_update_q8_: rule {rule!r} takes {n_tensor} (codes, scales) pairs and "
+        raise ValueError(f"forge::{op}: rule {rule!r} takes {n_tensor} (codes, scales) pairs and "
                          f"{len(r.states) - n_tensor} scalar states, got {len(codes)}, {len(scales)}, "
                          f"{len(scalar_states)}")
-    wgrad_update_q8(weight, dy_t, x, _states(r, codes, scales, scalar_states), hparams, rule, key=int(round_key),
-                    salt=round_salt, grad=grad)
+    # codes may arrive as the optimizer state's uint8 (a checkpoint's dtype; graph inputs keep it): the kernels read
+    # them as e4m3, a free view
+    codes = [c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c for c in codes]
+    return _states(r, codes, scales, scalar_states)
+
+
+def wgrad_update_q8_(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
+    states = _op_states("wgrad_update_q8_", rule, codes, scales, scalar_states)
+    wgrad_update_q8(weight, dy_t, x, states, hparams, rule, key=int(round_key), salt=round_salt, grad=grad)
     torch.autograd.graph.increment_version([weight, *codes, *scales, *scalar_states])
 
 
@@ -485,4 +502,35 @@ _LIB.impl("wgrad_update_q8_", wgrad_update_q8_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("forge::wgrad_update_q8_", lib=_LIB)
 def _(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
+    return None
+
+
+# forge::apply_rule_q8_: the unfused update of a parameter with 8-bit states from its stored gradient -- what the
+# capture emits per parameter of a Rule8bitOptimizer (as forge::apply_rule_ for full-precision states); the pattern
+# pass turns it and the matmul feeding its gradient into forge::wgrad_update_q8_. Never decomposed for Inductor (as
+# apply_rule_ is): its implementation is the eager optimizer's (the stored-dW kernel on CUDA, the CPU path), bitwise
+# the spec, which Inductor's code for the spec's torch ops would not promise. Any parameter shape: the states' rows
+# are the parameter's first dimension (optimizer8bit._as_2d).
+_LIB.define(
+    "apply_rule_q8_(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+    "Tensor(d!)[] scalar_states, Tensor[] hparams, str rule, Tensor round_key, int round_salt) -> ()",
+    tags=_compat.cudagraph_unsafe_tags())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
+
+
+def apply_rule_q8_(param, grad, codes, scales, scalar_states, hparams, rule, round_key, round_salt):
+    states = _op_states("apply_rule_q8_", rule, codes, scales, scalar_states)
+    wgrad_update_q8(_rows(param), None, None, states, hparams, rule, key=int(round_key), salt=round_salt,
+                    grad=_rows(grad.contiguous()).float())
+    torch.autograd.graph.increment_version([param, *codes, *scales, *scalar_states])
+
+
+_LIB.impl("apply_rule_q8_", apply_rule_q8_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::apply_rule_q8_", lib=_LIB)
+def _(param, grad, codes, scales, scalar_states, hparams, rule, round_key, round_salt):
     return None

@@ -13,8 +13,11 @@ tests/test_optim_rules.py).
 
 Why a class of its own, not a state option of torch.optim.AdamW: the states are not torch's (a checkpoint of this
 optimizer holds codes and scales), and a user chooses them as with bitsandbytes' AdamW8bit. ``compile_train_step``
-does not fuse it yet: it refuses it with UnsupportedOptimizerError (forge translates only the optimizers it knows),
-before any parameter is touched.
+fuses it (optim/translate.py plans it through ``q8_layout``/``forge_states``; the capture emits
+``forge::apply_rule_q8_`` per 8-bit parameter with the key computed in the graph from its count, and the pattern pass
+turns it and its weight gradient's matmul into ``forge::wgrad_update_q8_``): the compiled step is this eager step,
+bitwise on the 8-bit parameters. The Dynamo route (backend.py) fuses it too, each parameter's key computed on the
+host from its count at every backward.
 
 Rounding bits: the key of a parameter's update is ``round_key(seed, count)`` with its own update count (the rule's
 ``step`` state where it has one, else the state ``q8_count``; saved with the state, so a resumed run rounds as the
@@ -83,6 +86,28 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
         """Bytes of every state tensor (the number the 8-bit format is for)."""
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor))
+
+    def q8_layout(self, p: torch.Tensor, group: dict) -> tuple[bool, tuple[str, ...]]:
+        """(8-bit?, the names in ``state[p]`` of the states ``forge_states`` returns): the rule's states in order, a
+        tensor state of an 8-bit parameter as its ``<name>_codes`` and ``<name>_scales``, then ``q8_count`` where
+        the rule has no ``step``. Decided by the existing state (a checkpoint's), else by ``is_8bit``."""
+        state = self.state.get(p)
+        rule = self.group_rule(group)
+        big = any(k.endswith("_codes") for k in state) if state else self.is_8bit(p, group)
+        names = []
+        for i, name in enumerate(rule.states):
+            names += [f"{name}_codes", f"{name}_scales"] if big and not rule.is_scalar_state(i) else [name]
+        if "step" not in rule.scalar_states:
+            names.append("q8_count")
+        return big, tuple(names)
+
+    def forge_states(self, p: torch.Tensor, group: dict) -> list:
+        """``p``'s states (created as the first ``step`` would) in ``q8_layout`` order: what compile_train_step's
+        update of ``p`` reads and writes (optim/translate.py)."""
+        rule = self.group_rule(group)
+        if not self.state.get(p):
+            self._init_state(p, group, rule)
+        return [self.state[p][n] for n in self.q8_layout(p, group)[1]]
 
     def _init_state(self, p, group, rule):
         state = self.state[p]

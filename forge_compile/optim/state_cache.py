@@ -54,17 +54,17 @@ class ParamStates:
     """One parameter's cached read. Holds no reference to the parameter or the optimizer (the capture
     route keys these by parameter in a weak dictionary)."""
 
-    __slots__ = ("group_index", "rule", "state", "raw", "states", "step_idx", "hparams", "reads", "settled",
+    __slots__ = ("group_index", "rule", "names", "state", "raw", "states", "step_idx", "hparams", "reads", "settled",
                  "seen", "mirrored")
 
     def __init__(self, plan):
-        self.group_index, self.rule = plan.group_index, plan.rule
+        self.group_index, self.rule, self.names = plan.group_index, plan.rule, plan.state_names
         self.state = None                     # the opt.state[p] dict the cached states came from
         # the objects in that dict: ``states`` differs from them where a fused/capturable group's device
         # ``step`` is read through its CPU mirror (translate._step_for_forge)
         self.raw = []
         self.states = []
-        rs = plan.rule.states
+        rs = plan.state_names
         self.step_idx = rs.index("step") if "step" in rs else None
         self.hparams = translate.HparamTensors()
         self.reads = 0                        # slow reads so far
@@ -74,7 +74,8 @@ class ParamStates:
 
     def fits(self, plan) -> bool:
         """Whether this read was made for ``plan``'s group index and rule (else it starts over)."""
-        return plan.group_index == self.group_index and plan.rule is self.rule
+        return (plan.group_index == self.group_index and plan.rule is self.rule
+                and plan.state_names == self.names)
 
 
 class StateCache:
@@ -111,8 +112,8 @@ class StateCache:
             st = opt.state.get(pl.param)
             fast = (cacheable and e.settled and e.reads >= self.SLOW_READS and e.seen == self.tick - 1
                     and st is e.state
-                    and (not pl.rule.states if st is None       # SGD without momentum keeps no state
-                         else all(map(operator.is_, map(st.get, pl.rule.states), e.raw))))
+                    and (not pl.state_names if st is None       # SGD without momentum keeps no state
+                         else all(map(operator.is_, map(st.get, pl.state_names), e.raw))))
             e.seen = self.tick
             if not fast:
                 self._slow_read(opt, pl, e)
@@ -149,7 +150,7 @@ class StateCache:
     def _slow_read(self, opt, pl, e) -> None:
         e.states = list(translate.prepare_states(opt, pl))
         e.state = opt.state.get(pl.param)
-        e.raw = [e.state.get(n) for n in pl.rule.states] if e.state is not None else []
+        e.raw = [e.state.get(n) for n in pl.state_names] if e.state is not None else []
         e.hparams.update(translate.hparam_values(opt, pl))
         e.settled = not translate.has_fresh_state(e.states)
         # (a RuleOptimizer subclass's own state_tensors may keep nothing in opt.state: raw is empty then)

@@ -12,7 +12,7 @@ import inspect
 import logging
 import operator
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -24,7 +24,7 @@ from .rules import adagrad_rule, adam_rule, rmsprop_rule, sgd_rule
 
 __all__ = ["ParamPlan", "UnsupportedOptimizerError", "plan_optimizer", "prepare_states", "flush_step_mirrors",
            "discard_step_mirrors", "HparamTensors", "has_fresh_state", "cacheable_reads", "step_for_forge",
-           "hparam_values", "structure_key", "plan_and_structure_key"]
+           "hparam_values", "structure_key", "plan_and_structure_key", "is_8bit_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,14 @@ class ParamPlan:
     param: torch.nn.Parameter
     group_index: int
     rule: Rule
+    # a Rule8bitOptimizer's parameter: whether its tensor states are 8-bit (codes + scales), and the names in
+    # ``optimizer.state[param]`` of the states ``prepare_states`` returns (None: the rule's states)
+    q8: bool = False
+    names: Optional[tuple] = None
+
+    @property
+    def state_names(self) -> tuple:
+        return self.rule.states if self.names is None else self.names
 
 
 # -- per optimizer: the group's rule, its state, its hyper-parameters ----------------------------------
@@ -263,6 +271,24 @@ _ADAPTERS = [   # most derived first: AdamW is an Adam
 ]
 
 
+def _rule8bit_adapter() -> _Adapter:
+    # optimizer8bit imports the kernels, which import optim.rule: looked up when first asked for
+    from .optimizer8bit import Rule8bitOptimizer
+
+    return _Adapter(Rule8bitOptimizer,
+                    lambda opt, group: opt.group_rule(group),
+                    lambda opt, group, p, rule: opt.forge_states(p, group),
+                    lambda opt, group, p, rule: opt.group_hparams(group))
+
+
+def is_8bit_optimizer(opt) -> bool:
+    """A Rule8bitOptimizer (AdamW8bit, Lion8bit): its plans carry ``q8`` and their own state names, its updates
+    their own rounding keys (``round_key(group['seed'], the parameter's count)``)."""
+    from .optimizer8bit import Rule8bitOptimizer
+
+    return isinstance(opt, Rule8bitOptimizer)
+
+
 def _raw(f):
     """The function under torch's profiling/grad-mode wrappers and an LR scheduler's step counter."""
     f = inspect.unwrap(f)
@@ -296,11 +322,15 @@ def _find_adapter(opt, cls) -> _Adapter:
             if own is not None and _raw(own) is not _raw(getattr(a.base, "step")):
                 raise _Refuse("its step() was replaced on the instance")
             return a
-    from .optimizer8bit import Rule8bitOptimizer
-
-    if isinstance(opt, Rule8bitOptimizer):
-        raise _Refuse("its 8-bit states are not fused yet (roadmap): run its step() eagerly, outside "
-                      "compile_train_step and without backend='forge', or use torch.optim.AdamW")
+    if is_8bit_optimizer(opt):
+        a = _rule8bit_adapter()
+        own = vars(opt).get("step")
+        if own is not None and _raw(own) is not _raw(a.base.step):
+            raise _Refuse("its step() was replaced on the instance")
+        for meth in ("step", "_init_state", "q8_layout", "forge_states"):
+            if _raw(getattr(cls, meth)) is not _raw(getattr(a.base, meth)):
+                raise _Refuse(f"it overrides {meth}() of Rule8bitOptimizer, so forge cannot know its update")
+        return a
     raise _Refuse("forge translates only torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, forge's Lion "
                   "and RuleOptimizer (write an element-wise Rule and use RuleOptimizer for others)")
 
@@ -358,15 +388,23 @@ def plan_and_structure_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[Para
             if p.grad is not None and p.grad.is_sparse:
                 raise _fail(optimizer, f"param group {i} holds a parameter with a sparse gradient")
     cls = type(optimizer)
+    # 8-bit states: each parameter's layout (8-bit or not, state names) and the groups' seeds are traced into the
+    # step (the rounding keys are computed in it), so they are part of the plans and the structure key
+    layouts = _q8_layouts(optimizer) if is_8bit_optimizer(optimizer) else None
     memo = _PLAN_MEMO.get(optimizer)
     if not (memo is not None and memo[0] is cls and len(memo[1]) == len(rules)
             and all(map(operator.is_, rules, memo[1]))
             and all(len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
-                    for g, ps in zip(groups, memo[2]))):
-        plans = tuple(ParamPlan(p, i, rule) for i, (group, rule) in enumerate(zip(groups, rules))
-                      for p in group["params"])
+                    for g, ps in zip(groups, memo[2])) and memo[5] == layouts):
+        if layouts is None:
+            plans = tuple(ParamPlan(p, i, rule) for i, (group, rule) in enumerate(zip(groups, rules))
+                          for p in group["params"])
+        else:
+            it = iter(layouts[1])
+            plans = tuple(ParamPlan(p, i, rule, *next(it)) for i, (group, rule) in enumerate(zip(groups, rules))
+                          for p in group["params"])
         memo = _PLAN_MEMO[optimizer] = (cls, tuple(rules), tuple(tuple(g["params"]) for g in groups), plans,
-                                        _structure_key(optimizer, rules))
+                                        _structure_key(optimizer, rules) + ((layouts,) if layouts else ()), layouts)
     if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks) and (
             optimizer not in _WARNED_HOOKS):
         _WARNED_HOOKS.add(optimizer)    # planned again at every step: say it once
@@ -377,6 +415,30 @@ def plan_and_structure_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[Para
     return memo[3], memo[4]
 
 
+def _q8_layouts(optimizer) -> tuple:
+    """(every group's seed, every parameter's ``q8_layout``) of a Rule8bitOptimizer; refuses what it cannot fuse."""
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if _compat.is_dtensor(p):
+                raise _fail(optimizer, f"param group {i} holds a DTensor parameter: 8-bit states of sharded "
+                                       "parameters are not supported")
+    return (tuple(int(g["seed"]) for g in optimizer.param_groups),
+            tuple(optimizer.q8_layout(p, g) for g in optimizer.param_groups for p in g["params"]))
+
+
+def _expected_state(plan: ParamPlan, name: str):
+    """(shape, dtype, device) that ``prepare_states`` requires of the state ``name`` of ``plan``."""
+    p, cpu = plan.param, torch.device("cpu")
+    if name in plan.rule.scalar_states or name == "q8_count":
+        return (), torch.float32, cpu
+    if name.endswith("_codes"):
+        return (p.shape[0], p.numel() // max(p.shape[0], 1)) if p.dim() >= 2 else (1, p.numel()), torch.uint8, p.device
+    if name.endswith("_scales"):
+        rows, k = _expected_state(plan, name[: -len("_scales")] + "_codes")[0]
+        return (rows, -(-k // 128)), torch.float32, p.device
+    return p.shape, p.dtype, p.device
+
+
 def prepare_states(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[torch.Tensor]:
     """``optimizer.state[plan.param]`` in torch.optim's format (created if missing), as the list of
     the rule's states in ``plan.rule.states`` order."""
@@ -384,10 +446,9 @@ def prepare_states(optimizer: torch.optim.Optimizer, plan: ParamPlan) -> list[to
     group = optimizer.param_groups[plan.group_index]
     states = a.states(optimizer, group, plan.param, plan.rule)
     p = plan.param
-    for name, s in zip(plan.rule.states, states):
-        want = ((), torch.float32, torch.device("cpu")) if name in plan.rule.scalar_states else (
-            p.shape, p.dtype, p.device)
-        if (s.shape, s.dtype, s.device) != want:
+    for name, s in zip(plan.state_names, states):
+        want = _expected_state(plan, name)
+        if (tuple(s.shape), s.dtype, s.device) != (tuple(want[0]), want[1], want[2]):
             raise ValueError(f"forge: {type(optimizer).__name__} state {name!r} of a parameter of shape "
                              f"{tuple(p.shape)} is {tuple(s.shape)} {s.dtype} on {s.device}, expected "
                              f"{tuple(want[0])} {want[1]} on {want[2]}")
@@ -428,7 +489,7 @@ class HparamTensors:
 
 def structure_key(optimizer: torch.optim.Optimizer) -> tuple:
     """Everything about ``optimizer`` a traced step depends on besides tensor values."""
-    return _structure_key(optimizer, _group_rules(optimizer)[1])
+    return plan_and_structure_key(optimizer)[1]
 
 
 def _structure_key(optimizer, rules) -> tuple:
@@ -449,6 +510,14 @@ def cacheable_reads(optimizer: torch.optim.Optimizer) -> bool:
     only: then a caller may reuse them while those objects and the group's values stay the same
     (``state_cache``). A RuleOptimizer subclass with its own ``group_hparams``/``state_tensors`` may read
     anything."""
+    if is_8bit_optimizer(optimizer):
+        # forge_states returns the stored objects (_find_adapter refuses an override); forge's own group_hparams
+        # read the group only
+        from .optimizer8bit import AdamW8bit, Rule8bitOptimizer
+
+        own = (Rule8bitOptimizer.group_hparams, AdamW8bit.group_hparams, Lion.group_hparams)
+        return ("group_hparams" not in vars(optimizer)
+                and any(_raw(type(optimizer).group_hparams) is _raw(f) for f in own))
     if not isinstance(optimizer, RuleOptimizer):
         return True         # torch's optimizers: translate's own functions read them
     cls, own = type(optimizer), vars(optimizer)

@@ -8,6 +8,10 @@ exact; otherwise it keeps the normal path and its ``FusionDecision`` says why.
 With ``embeddings=True`` (compile_train_step), ``embedding_dense_backward -> (views, upcast) -> apply_rule_``
 becomes ``forge::embedding_update_`` the same way: the embedding's dense gradient is never made either
 (kernels/embedding_update.py).
+
+A parameter with 8-bit states (forge.optim.AdamW8bit and kin, compile_train_step) is updated by
+``forge::apply_rule_q8_``; ``mm -> ... -> apply_rule_q8_`` becomes ``forge::wgrad_update_q8_``
+(kernels/wgrad_update_q8.py) the same way (``should_fuse_wgrad_update_q8`` says which cases).
 """
 from __future__ import annotations
 
@@ -28,11 +32,12 @@ from ..optim.rule import get_rule, grad_scaled_rule
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["FusionDecision", "rewrite_wgrad_updates", "should_fuse_wgrad_update"]
+__all__ = ["FusionDecision", "rewrite_wgrad_updates", "should_fuse_wgrad_update", "should_fuse_wgrad_update_q8"]
 
 counters: Counter = Counter()
 
 _APPLY = torch.ops.forge.apply_rule_.default
+_APPLY_Q8 = torch.ops.forge.apply_rule_q8_.default
 _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
 _EMB_ROUNDED = torch.ops.forge.embedding_update_rounded_.default
 
@@ -485,11 +490,8 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         if why:
             return False, why, None
     if match.scale_mul is not None:
-        mul = match.scale_mul
-        # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of
-        # it) reads: only norms before it are of the unscaled gradient that the norm op computes again
-        if mul.target is aten.mul_.Tensor and any(order[nn] > order[mul] for nn in match.norms):
-            return False, "a gradient norm is read after the gradient was scaled in place", None
+        if why := _scale_unsupported(match, order):
+            return False, why, None
         rule = grad_scaled_rule(rule)
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
@@ -498,6 +500,26 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         if not ok:
             return False, why, None
 
+    # a rounding key computed in the graph (a Rule8bitOptimizer's, from the parameter's step) must exist there too
+    key = round_args(apply)[0] if rounded else None
+    return _anchor(match, order, weight, states, after_copies, extra=[key] if isinstance(key, fx.Node) else [])
+
+
+def _scale_unsupported(match: _Match, order: dict) -> Optional[str]:
+    """Why a gradient scaled on its way to the update cannot be scaled inside it instead, or None."""
+    mul = match.scale_mul
+    # an in-place scaling (clip_grad_norm_'s mul_) changes what a later norm of the gradient (or of a view of it)
+    # reads: only norms before it are of the unscaled gradient that the norm op computes again
+    if mul.target is aten.mul_.Tensor and any(order[nn] > order[mul] for nn in match.norms):
+        return "a gradient norm is read after the gradient was scaled in place"
+    return None
+
+
+def _anchor(match: _Match, order: dict, weight: fx.Node, states, after_copies: bool, extra=()
+            ) -> tuple[bool, str, Optional[fx.Node]]:
+    """Where the fused op may go: after the matmul(s) and every read of the old W and states (and ``extra``:
+    values it reads that the graph computes), provided nothing reads them after the update."""
+    apply = match.apply
     apply_pos = order[apply]
     w_alias = _aliases(weight)
     tracked = set(w_alias)
@@ -522,9 +544,68 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
         copies = _derived(w_alias, elementwise=False)
         before += [r for r in _readers(copies) if order[r] < apply_pos]
     anchor = max([m for m, _ in match.pairs] + ([match.emb] if match.emb is not None else []) + before
-                 + ([match.scale] if match.scale is not None else []), key=lambda n: order[n])
+                 + ([match.scale] if match.scale is not None else []) + list(extra), key=lambda n: order[n])
     # The mm's operands must exist at the anchor: they do, the anchor is at or after the mm.
     return True, "", anchor
+
+
+def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool = False
+                                ) -> tuple[bool, str, Optional[fx.Node]]:
+    """``should_fuse_wgrad_update`` for ``apply_rule_q8_`` (8-bit states): the dW of a 2-D fp32 or bf16 weight from
+    one matmul, the passes of an accumulating step or the ranks of data parallel, scaled (clip_grad_norm_) or not;
+    tied embeddings are not fused with 8-bit states yet (the update is then the unfused one: the same function from
+    the stored gradient)."""
+    apply = match.apply
+    weight, _, codes, scales, scalars, hparams, rule_name, key = apply.args[:8]
+    w = _meta(weight)
+    if w is None or w.dim() != 2:
+        return False, "parameter is not 2-D", None
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        return False, f"parameter dtype {w.dtype} (8-bit states are fused for fp32 and bf16 weights)", None
+    if not w.is_contiguous():
+        return False, "parameter is not contiguous", None
+    if w.device.type not in ("cpu", "cuda"):
+        return False, f"device {w.device.type} has no fused kernel", None
+    if match.emb is not None:
+        return False, "8-bit states: a tied embedding's gradient is not fused yet (updated from the stored gradient)", \
+            None
+    a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
+    if a is None or b is None or a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
+        return False, f"matmul operands are {getattr(a, 'dtype', None)}/{getattr(b, 'dtype', None)}", None
+    if match.passes and (why := _accumulation_unsupported(match, w)):
+        return False, why, None
+    if match.dp is not None and (why := _dp_unsupported(match, w)):
+        return False, why, None
+    rule = get_rule(rule_name)
+    if match.scale_mul is not None:
+        if why := _scale_unsupported(match, order):
+            return False, why, None
+        rule = grad_scaled_rule(rule)
+    if w.device.type == "cuda":
+        from ..kernels import epilogue_supported
+
+        ok, why = epilogue_supported(rule)
+        if not ok:
+            return False, why, None
+    # the rounding key is computed in the graph (from the step count): the fused op goes after it too
+    return _anchor(match, order, weight, [*codes, *scales, *scalars], after_copies,
+                   extra=[key] if isinstance(key, fx.Node) else [])
+
+
+def _q8_how(match: _Match, w, rule: str, how: str) -> tuple[str, int]:
+    """A fused 8-bit update's report text, and the dW bytes it holds at once: on CUDA the blocked path's row block
+    (kernels/wgrad_update_q8.use_blocked); the CPU paths' cache-sized blocks are working memory, as the fp32 CPU
+    path's (wgrad_update_cpu)."""
+    from ..kernels.wgrad_update_q8 import dw_block_bytes
+    from ..report import _fmt_bytes   # report imports this module
+
+    tokens = sum(_meta(m.args[0]).shape[1] for m, _ in match.pairs) * (match.dp[1] if match.dp is not None else 1)
+    held = dw_block_bytes(*w.shape, get_rule(rule), tokens, "cuda") if w.device.type == "cuda" else 0
+    parts = ["8-bit states"] + ([how] if how else [])
+    if held:
+        parts.append(f"dW made by cuBLAS in row blocks of {_fmt_bytes(held)} (the fused 8-bit kernel is slower for "
+                     "this rule; FORGE_Q8_PATH=fused makes none)")
+    return ", ".join(parts), held
 
 
 # Tokens (over passes and ranks) above which a bf16 weight's stochastically rounded update stays unfused on CUDA
@@ -645,26 +726,28 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     decisions = []
     rewrites = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _APPLY:
+        if node.op != "call_function" or node.target not in (_APPLY, _APPLY_Q8):
             continue
+        q8 = node.target is _APPLY_Q8
         weight = node.args[0]
         w = _meta(weight)
         name = names.get(weight, weight.name)
         shape = tuple(w.shape) if w is not None else ()
-        rule = node.args[4]
+        rule = node.args[6] if q8 else node.args[4]
         if not fuse:
             decisions.append(FusionDecision(name, shape, rule, False, "fusion disabled (fuse=False)"))
             continue
         if w is None or w.dim() != 2:
             decisions.append(FusionDecision(name, shape, rule, False, "not a matrix (normal path)"))
             continue
-        match, reason = match_wgrad_update(node, embeddings)
+        match, reason = match_wgrad_update(node, embeddings and not q8)
         if match is not None and match.dp is not None and not dp_gather:
             match, reason = None, ("data parallel: the ranks were called with different argument shapes, so their dY "
                                    "and X cannot be all-gathered alike; dW is all-reduced as DDP does")
         anchor = None
         if match is not None:
-            ok, reason, anchor = should_fuse_wgrad_update(match, order, after_copies)
+            ok, reason, anchor = (should_fuse_wgrad_update_q8 if q8 else should_fuse_wgrad_update)(
+                match, order, after_copies)
             if not ok:
                 match = None
         if match is None:
@@ -688,13 +771,18 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             how = ", ".join([f"data parallel: the mean over {match.dp[1]} ranks, their {_operands_of(match)} "
                              "all-gathered"]
                             + ([how] if how else []))
+        if q8:
+            how, held = _q8_how(match, w, rule, how)
+            saved = max(0, saved - held)
         decisions.append(FusionDecision(name, shape, rule, True, how, saved))
         rewrites.append((match, anchor))
 
     host_scales, dp_factors = {}, {}
     for match, anchor in rewrites:
         apply = match.apply
-        weight, _, states, hparams, rule = apply.args[:5]
+        q8 = apply.target is _APPLY_Q8
+        hi = 5 if q8 else 3      # apply_rule_q8_'s hyper-parameters follow codes, scales and scalar states
+        weight, hparams, rule = apply.args[0], apply.args[hi], apply.args[hi + 1]
         operands = None
         if match.passes or match.dp is not None:
             last_mm = max((m for m, _ in match.pairs), key=lambda n: order[n])
@@ -717,13 +805,17 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             # the fused op goes after the host copy of the factor; that copy sits right after the factor
             anchor = hs if anchor is match.scale or anchor is scale else anchor
             hparams, rule = list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name
-            apply.args = (weight, apply.args[1], states, hparams, rule, *apply.args[5:])
-        if match.embedding:
+            apply.args = (*apply.args[:hi], hparams, rule, *apply.args[hi + 2:])
+        if q8:
+            _insert_wgrad_update_q8(graph, match, anchor, operands)
+            counters["fused_q8"] += 1
+        elif match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
             if operands is not None:
                 grad_output, indices = operands
             rounding = round_args(apply)
             op = torch.ops.forge.embedding_update_.default if rounding is None else _EMB_ROUNDED
+            states = apply.args[2]
             with graph.inserting_after(anchor):
                 fused = graph.call_function(op, (weight, grad_output, indices, states, hparams, rule, padding_idx,
                                                  *(rounding or ())))
@@ -999,6 +1091,31 @@ def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operan
                           emb_padding_idx=match.emb.args[3])
         with graph.inserting_after(last):
             fused = graph.call_function(op, (weight, dy_t, x, states, hparams, rule, *rounding), kwargs)
+    for n in (dy_t, x, fused):
+        if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
+            n.meta["forge"] = "wgrad_update"
+
+
+def _insert_wgrad_update_q8(graph: fx.Graph, match: _Match, anchor: fx.Node, operands=None) -> None:
+    """``forge::wgrad_update_q8_`` after ``anchor``, its dy_t / x from the matmul's operands (accumulated passes: the
+    concatenated ``operands``) and the rest of ``apply_rule_q8_``'s arguments."""
+    weight, _, codes, scales, scalars, hparams, rule, key, salt = match.apply.args[:9]
+    op = torch.ops.forge.wgrad_update_q8_.default
+    if operands is not None:
+        with graph.inserting_after(anchor):
+            fused = graph.call_function(op, (weight, *operands, codes, scales, scalars, hparams, rule, key, salt))
+        fused.meta["forge"] = "wgrad_update"
+        return
+    a, b = match.mm.args
+    with graph.inserting_after(anchor):
+        if match.transposed:
+            dy_t = graph.call_function(aten.t.default, (b,))
+            with graph.inserting_after(dy_t):
+                x = graph.call_function(aten.t.default, (a,))
+        else:
+            dy_t, x = a, b
+        with graph.inserting_after(x if match.transposed else anchor):
+            fused = graph.call_function(op, (weight, dy_t, x, codes, scales, scalars, hparams, rule, key, salt))
     for n in (dy_t, x, fused):
         if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
             n.meta["forge"] = "wgrad_update"

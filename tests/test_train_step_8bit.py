@@ -1,0 +1,353 @@
+"""compile_train_step with forge.optim's 8-bit-state optimizers (AdamW8bit, Lion8bit, Rule8bitOptimizer).
+
+The compiled step is the optimizer's eager step: bit for bit on the 8-bit parameters (their weights, codes, scales
+and counts), whether their weight gradient is fused into forge::wgrad_update_q8_ (never materialized) or updated
+from the stored gradient (forge::apply_rule_q8_, fuse=False or a case the pass does not fuse, with its reason). The
+bitwise comparisons use a model whose weight gradients are exact in any summation order (small-integer inputs and
+a loss linear in the outputs), so that any difference is the update's. A checkpoint moves between the compiled and
+the eager step; the Dynamo route (backend="forge") fuses them too; cuda_graphs=True runs the step unreplayed.
+"""
+import os
+
+import pytest
+import torch
+
+from interpreter import run_child
+import forge_compile as forge
+from forge_compile.optim import AdamW8bit, Lion8bit, Rule8bitOptimizer, sgd_rule
+from forge_compile.passes import wgrad_update_pattern
+
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+class _Exact(torch.nn.Module):
+    """A 300 x 200 weight (8-bit states: 60000 elements, K = 200 a ragged last block) and a 6 x 200 one with a bias
+    (full-precision states), both reading x: with x and the loss's coefficients in {-1, 0, 1} over 32 tokens every
+    dW element is an integer of magnitude <= 32, exact in fp32 and bf16 whatever the order of its sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(200, 300, bias=False)
+        self.small = torch.nn.Linear(200, 6)
+
+    def forward(self, x):
+        return self.big(x), self.small(x)
+
+
+def _model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    return _Exact().to(device, dtype)
+
+
+def _batches(n, dtype=torch.float32, device="cpu", tokens=32):
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(-1, 2, shape, generator=g).to(device, dtype)
+                  for shape in ((tokens, 200), (tokens, 300), (tokens, 6)))
+            for _ in range(n)]
+
+
+def _loss(model, x, c1, c2):
+    a, b = model(x)
+    return (a.float() * c1.float()).sum() + (b.float() * c2.float()).sum()
+
+
+def _eager(model, opt, batches):
+    for x, c1, c2 in batches:
+        _loss(model, x, c1, c2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _compiled(model, opt, **kwargs):
+    @forge.compile_train_step(**kwargs)
+    def step(x, c1, c2):
+        loss = _loss(model, x, c1, c2)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def _make_opt(which, params):
+    if which == "adamw":
+        return AdamW8bit(params, **HP, seed=5)
+    if which == "lion":
+        return Lion8bit(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, seed=5)
+    return Rule8bitOptimizer(params, sgd_rule(momentum=True), lr=1e-2, momentum=0.9, dampening=0.0, seed=5)
+
+
+def _assert_8bit_param_equal(model, opt, ref, ropt, what):
+    w, r = model.big.weight, ref.big.weight
+    assert torch.equal(w, r), f"{what}: weight, max diff {(w.float() - r.float()).abs().max().item()}"
+    st, rst = opt.state[w], ropt.state[r]
+    assert set(st) == set(rst) and any(k.endswith("_codes") for k in st), (sorted(st), sorted(rst))
+    for k in st:
+        assert torch.equal(st[k], rst[k]), f"{what}: state {k}"
+
+
+def _assert_small_params_close(model, ref, dtype):
+    # full-precision states: the rule compiled by Inductor against its eager ops (FMA contractions, a bf16 weight's
+    # stochastic rounding of a value that may differ in its last fp32 bit): within test_optim_rules' bounds
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2 ** -7)
+    for name in ("small.weight", "small.bias"):
+        a, b = dict(model.named_parameters())[name], dict(ref.named_parameters())[name]
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("which,dtype,fuse", [
+    ("adamw", torch.float32, True), ("adamw", torch.float32, False), ("adamw", torch.bfloat16, True),
+    ("adamw", torch.bfloat16, False), ("lion", torch.float32, True), ("sgd_momentum", torch.float32, True)])
+def test_the_compiled_step_is_the_eager_step(which, dtype, fuse):
+    batches = _batches(3, dtype)
+    model, ref = _model(dtype), _model(dtype)
+    opt, ropt = _make_opt(which, model.parameters()), _make_opt(which, ref.parameters())
+    step = _compiled(model, opt, fuse=fuse)
+    before = wgrad_update_pattern.counters["fused_q8"]
+    for x, c1, c2 in batches:
+        step(x, c1, c2)
+    _eager(ref, ropt, batches)
+    assert step.compile_count == 1
+    _assert_8bit_param_equal(model, opt, ref, ropt, f"{which} {dtype} fuse={fuse}")
+    _assert_small_params_close(model, ref, dtype)
+    rows = {d.name: d for d in step.last_report.rows}
+    big = rows["model.big.weight"]
+    assert big.fused == fuse and (big.reason == "8-bit states" if fuse else "fuse=False" in big.reason), big
+    assert wgrad_update_pattern.counters["fused_q8"] - before == int(fuse)
+    # the small weight keeps full-precision states: fused by the ordinary path (a bf16 one rounded with the
+    # optimizer's own key)
+    assert rows["model.small.weight"].fused == fuse, rows["model.small.weight"]
+    assert "q8_count" in opt.state[model.big.weight] if which == "sgd_momentum" else "step" in opt.state[model.big.weight]
+
+
+def test_a_checkpoint_moves_between_the_compiled_and_the_eager_step(tmp_path):
+    batches = _batches(4)
+    model = _model()
+    opt = AdamW8bit(model.parameters(), **HP, seed=2)
+    step = _compiled(model, opt)
+    for b in batches[:2]:
+        step(*b)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    for b in batches[2:]:
+        step(*b)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    ref = _model()
+    ref.load_state_dict(ckpt["model"])
+    ropt = AdamW8bit(ref.parameters(), **HP, seed=2)
+    ropt.load_state_dict(ckpt["opt"])
+    _eager(ref, ropt, batches[2:])
+    _assert_8bit_param_equal(model, opt, ref, ropt, "resumed eagerly")
+    # and back: the eager optimizer's states loaded under a compiled step of another model (a dict of its own:
+    # torch.optim's load_state_dict keeps a CPU ``step`` tensor as it is, shared by optimizers loaded from one dict)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    again = _model()
+    again.load_state_dict(ckpt["model"])
+    aopt = AdamW8bit(again.parameters(), **HP, seed=2)
+    aopt.load_state_dict(ckpt["opt"])
+    astep = _compiled(again, aopt)
+    for b in batches[2:]:
+        astep(*b)
+    _assert_8bit_param_equal(again, aopt, ref, ropt, "resumed compiled")
+
+
+def test_a_changed_seed_or_lr_is_honoured():
+    # the seed is traced into the step (the keys are computed in it): a new seed compiles again; lr is a graph input
+    batches = _batches(2)
+    model, ref = _model(), _model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    step = _compiled(model, opt)
+    step(*batches[0])
+    _eager(ref, ropt, batches[:1])
+    for o in (opt, ropt):
+        o.param_groups[0]["seed"] = 9
+        o.param_groups[0]["lr"] = 3e-3
+    step(*batches[1])
+    _eager(ref, ropt, batches[1:])
+    assert step.compile_count == 2
+    _assert_8bit_param_equal(model, opt, ref, ropt, "after the change")
+
+
+def test_clip_grad_norm_is_fused_with_8bit_states():
+    # clip_grad_norm_: the norm computed again from dY and X, the gradient scaled in the 8-bit update (the rule's
+    # grad_scaled form)
+    batches = _batches(2)
+    model, ref = _model(), _model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+
+    @forge.compile_train_step
+    def step(x, c1, c2):
+        loss = _loss(model, x, c1, c2)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for b in batches:
+        step(*b)
+    for x, c1, c2 in batches:
+        _loss(ref, x, c1, c2).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step()
+        ropt.zero_grad()
+    big = {d.name: d for d in step.last_report.rows}["model.big.weight"]
+    assert big.fused and "8-bit states" in big.reason and "clip_grad_norm_" in big.reason, big
+    # the clipping coefficient is a norm reduced in another order than eager's: the 8-bit update of a gradient
+    # scaled by a factor a few ulps apart may round a state code the other way, so a tolerance (lr-sized steps)
+    torch.testing.assert_close(model.big.weight, ref.big.weight, rtol=0, atol=1e-4)
+    assert float(opt.state[model.big.weight]["step"]) == 2.0
+
+
+def test_accumulated_passes_are_fused_with_8bit_states():
+    # two backward passes per step: their dY and X concatenated over tokens feed one 8-bit update; the sum of the
+    # passes' exact dW is exact too, so bitwise the eager step's. 16 tokens a pass: the passes' operands, kept until
+    # the update, are then under half the dW that fusing saves (the pass's condition)
+    batches = _batches(4, tokens=16)
+    model, ref = _model(), _model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+
+    @forge.compile_train_step
+    def step(a, b):
+        for x, c1, c2 in (a, b):
+            loss = _loss(model, x, c1, c2)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for i in (0, 2):
+        step(batches[i], batches[i + 1])
+        for x, c1, c2 in batches[i:i + 2]:
+            _loss(ref, x, c1, c2).backward()
+        ropt.step()
+        ropt.zero_grad()
+    big = {d.name: d for d in step.last_report.rows}["model.big.weight"]
+    assert big.fused and "concatenated over tokens" in big.reason, big
+    _assert_8bit_param_equal(model, opt, ref, ropt, "accumulated")
+
+
+def test_cuda_graphs_decline_with_a_reason():
+    model, ref = _model(), _model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    step = _compiled(model, opt, cuda_graphs=True)
+    batches = _batches(2)
+    for b in batches:
+        step(*b)
+    _eager(ref, ropt, batches)
+    assert any("not replayed as a CUDA graph" in n and "Rule8bitOptimizer" in n for n in step.last_report.notes), \
+        step.last_report.notes
+    _assert_8bit_param_equal(model, opt, ref, ropt, "cuda_graphs=True, not replayed")
+
+
+@pytest.mark.parametrize("which", ["adamw", "lion"])
+def test_the_dynamo_route_is_the_eager_step(which):
+    # backend="forge": the 8-bit weight's update runs inside loss.backward() (its .grad stays None), opt.step()
+    # updates the rest; the result is the eager optimizer's, bit for bit on the 8-bit weight, its count advanced
+    from forge_compile import backend
+
+    batches = _batches(3)
+    model, ref = _model(), _model()
+    opt, ropt = _make_opt(which, model.parameters()), _make_opt(which, ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+    backend.clear_reports()
+    for x, c1, c2 in batches:
+        _loss(cm, x, c1, c2).backward()
+        assert model.big.weight.grad is None and model.small.bias.grad is not None
+        opt.step()
+        opt.zero_grad()
+    _eager(ref, ropt, batches)
+    rows = {d.name.split(".")[-2] + "." + d.name.split(".")[-1]: d for d in backend.last_report().rows}
+    assert rows["big.weight"].fused and "8-bit states" in rows["big.weight"].reason, rows
+    _assert_8bit_param_equal(model, opt, ref, ropt, f"backend, {which}")
+    _assert_small_params_close(model, ref, torch.float32)
+    assert float(opt.state[model.big.weight]["step"]) == 3.0      # (Lion's rule counts its steps too)
+
+
+def test_the_dynamo_route_counts_a_rule_without_a_step():
+    # SGD-momentum's rule has no step: the 8-bit weight's q8_count advances once per fused backward
+    batches = _batches(2)
+    model, ref = _model(), _model()
+    opt, ropt = _make_opt("sgd_momentum", model.parameters()), _make_opt("sgd_momentum", ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+    for x, c1, c2 in batches:
+        _loss(cm, x, c1, c2).backward()
+        opt.step()
+        opt.zero_grad()
+    _eager(ref, ropt, batches)
+    _assert_8bit_param_equal(model, opt, ref, ropt, "backend, sgd-momentum")
+    assert float(opt.state[model.big.weight]["q8_count"]) == 2.0
+
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    run_child(__file__)
+
+
+@pytest.mark.parametrize("path", ["fused", "blocked"])
+def test_interpreter_kernel_paths_are_the_eager_step(interpret, monkeypatch, path):
+    # the Triton kernels (fused GEMM + 8-bit update, or the blocked path: mm per block of rows + the stored-dW
+    # update), against the eager step's stored-dW kernel
+    monkeypatch.setenv("FORGE_Q8_PATH", path)
+    batches = _batches(2)
+    model, ref = _model(), _model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    step = _compiled(model, opt)
+    for b in batches:
+        step(*b)
+    _eager(ref, ropt, batches)
+    assert {d.name: d.fused for d in step.last_report.rows}["model.big.weight"]
+    _assert_8bit_param_equal(model, opt, ref, ropt, f"interpreter, {path}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("path", ["", "fused", "blocked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_the_compiled_step_is_the_eager_step(monkeypatch, path, dtype):
+    if path:
+        monkeypatch.setenv("FORGE_Q8_PATH", path)
+    batches = _batches(3, dtype, "cuda")
+    model, ref = _model(dtype, "cuda"), _model(dtype, "cuda")
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    step = _compiled(model, opt)
+    for b in batches:
+        step(*b)
+    _eager(ref, ropt, batches)
+    assert {d.name: d.fused for d in step.last_report.rows}["model.big.weight"]
+    _assert_8bit_param_equal(model, opt, ref, ropt, f"cuda {dtype} {path or 'default'}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_an_autocast_mlp_trains_like_the_eager_optimizer():
+    # bf16 autocast, fp32 master weights, 1024-wide: dW is not exact here (cuBLAS vs the kernels' sums), so the
+    # compiled and eager runs are compared within a tolerance after 5 steps: lr-sized steps, a code rounded the
+    # other way moves one element by at most ~lr
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024)).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt, ropt = AdamW8bit(model.parameters(), lr=1e-3), AdamW8bit(ref.parameters(), lr=1e-3)
+    xs = [torch.randn(512, 1024, device="cuda") for _ in range(5)]
+
+    def loss_of(m, x):
+        with torch.autocast("cuda", torch.bfloat16):
+            return (m(x).float() - x).pow(2).mean()
+
+    @forge.compile_train_step
+    def step(x):
+        loss = loss_of(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for x in xs:
+        loss = step(x)
+        rl = loss_of(ref, x)
+        rl.backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert all(d.fused for d in step.last_report.rows if d.name.endswith("weight")), step.last_report
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=5e-3 * 1.5, msg=lambda m: f"{name}: {m}")
+    assert abs(loss.item() - rl.item()) <= 0.02 * rl.item()
