@@ -544,7 +544,7 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
         for i, arg in enumerate(_compat.op_schema(n.target).arguments):
             v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name, arg.default_value)
             kwargs[arg.name] = list(v) if isinstance(v, (list, tuple)) else v
-        if n.target is _Q8:
+        if n.target in _Q8_OPS:
             # weight, codes, scales, scalar states: outputs 1-4 of auto_functionalized
             copies += _auto_functionalize(graph, n, kwargs, [(1, n.args[0]), (2, list(n.args[3])),
                                                              (3, list(n.args[4])), (4, list(n.args[5]))],
@@ -564,13 +564,15 @@ def _functionalize_fused(gm: fx.GraphModule, fake_mode) -> None:
 
 _ROUNDED = torch.ops.forge.wgrad_update_rounded_.default
 _Q8 = torch.ops.forge.wgrad_update_q8_.default
+# the 8-bit updates: weight, codes, scales and scalar states at the same argument positions
+_Q8_OPS = (_Q8, torch.ops.forge.embedding_update_q8_.default)
 # an embedding's fused update: with hyper-parameters, from a scalar table, rounded stochastically
 _EMBEDDING_OPS = (torch.ops.forge.embedding_update_.default, torch.ops.forge.embedding_update_table_.default,
                   torch.ops.forge.embedding_update_rounded_.default)
 # every op the pass (and the table and grouping passes) may leave in a backward: functionalized alike
 _FUSED_OPS = (torch.ops.forge.wgrad_update_.default, torch.ops.forge.wgrad_update_table_.default, _ROUNDED,
               torch.ops.forge.wgrad_update_group_.default, torch.ops.forge.wgrad_update_group_table_.default,
-              *_EMBEDDING_OPS, _Q8)
+              *_EMBEDDING_OPS, *_Q8_OPS)
 
 
 def _rounding_note(cands, unfused) -> str | None:
@@ -1097,7 +1099,7 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids, key_of=None) -> st
     group_op = torch.ops.forge.wgrad_update_group_.default
     af = _compat.auto_functionalized()
     fused = {n.kwargs["weight"] for n in gm.graph.nodes
-             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED, _Q8,
+             if n.op == "call_function" and n.target is af and n.args and n.args[0] in (op, _ROUNDED, *_Q8_OPS,
                                                                                           *_EMBEDDING_OPS)}
     fused |= {w for n in gm.graph.nodes
               if n.op == "call_function" and n.target is af and n.args and n.args[0] is group_op
@@ -1115,10 +1117,12 @@ def _roles_text(gm, n_inputs, ph_of, names, plans, input_ids, key_of=None) -> st
                          f"x={describe(kw['x'])}, states=[{', '.join(roles[x] for x in kw['states'])}], "
                          f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}{rounded}"
                          f"{', emb_rows' if kw.get('emb_grad_output') is not None else ''})")
-        elif n.target is af and n.args and n.args[0] is _Q8:
+        elif n.target is af and n.args and n.args[0] in _Q8_OPS:
             kw = n.kwargs
-            lines.append(f"wgrad_update_q8_(W={roles[kw['weight']]}, dy_t={describe(kw['dy_t'])}, "
-                         f"x={describe(kw['x'])}, codes=[{', '.join(roles[x] for x in kw['codes'])}], "
+            inputs = (f"dy_t={describe(kw['dy_t'])}, x={describe(kw['x'])}" if n.args[0] is _Q8 else
+                      f"grad_output={describe(kw['grad_output'])}, indices={describe(kw['indices'])}")
+            lines.append(f"{str(n.args[0]).split('.')[1]}(W={roles[kw['weight']]}, {inputs}, "
+                         f"codes=[{', '.join(roles[x] for x in kw['codes'])}], "
                          f"scales=[{', '.join(roles[x] for x in kw['scales'])}], "
                          f"scalar_states=[{', '.join(roles[x] for x in kw['scalar_states'])}], "
                          f"hparams=[{', '.join(roles[x] for x in kw['hparams'])}], rule={kw['rule']}, "

@@ -418,3 +418,107 @@ def test_salts_skip_nothing_and_a_reloaded_state_is_read_again(tmp_path):
     _eager(ref, ropt, batches[2:])
     _assert_8bit_param_equal(model, opt, ref, ropt, "after load_state_dict")
     _assert_small_params_close(model, ref, torch.float32)
+
+
+def _embedding_batches(n, device="cpu"):
+    # 64 tokens over 50 ids (repeats: rows summed), id 3 the padding row; coefficients in {-1, 0, 1}: exact sums
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 50, (4, 16), generator=g).to(device),
+             torch.randint(-1, 2, (4, 16, 64), generator=g).float().to(device)) for _ in range(n)]
+
+
+def _embedding_model(device="cpu"):
+    torch.manual_seed(0)
+    return torch.nn.Embedding(1000, 64, padding_idx=3).to(device)      # 64000 elements: 8-bit states
+
+
+@pytest.mark.parametrize("route", ["step", "step_unfused", "backend"])
+def test_an_embedding_with_8bit_states_is_the_eager_step(route):
+    # forge::embedding_update_q8_: the dense gradient one row block at a time from the tokens' compact rows (each
+    # row bitwise autograd's), so the update is the eager step's on the dense gradient, bit for bit
+    batches = _embedding_batches(3)
+    model, ref = _embedding_model(), _embedding_model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+
+    def loss_of(m, idx, c):
+        return (m(idx) * c).sum()
+    if route == "backend":
+        from forge_compile import backend
+
+        backend.clear_reports()
+        cm = torch.compile(model, backend="forge", options={"optimizer": opt})
+        for idx, c in batches:
+            loss_of(cm, idx, c).backward()
+            assert model.weight.grad is None
+            opt.step()
+            opt.zero_grad()
+        row = backend.last_report().rows[0]
+    else:
+        @forge.compile_train_step(fuse=route == "step")
+        def step(idx, c):
+            loss = loss_of(model, idx, c)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        for b in batches:
+            step(*b)
+        row = step.last_report.rows[0]
+    for idx, c in batches:
+        loss_of(ref, idx, c).backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert row.fused == (route != "step_unfused"), row
+    if row.fused:
+        assert "8-bit states, embedding: its dense gradient made a row block at a time" in row.reason, row
+    assert torch.equal(model.weight, ref.weight), (model.weight - ref.weight).abs().max()
+    for k in opt.state[model.weight]:
+        assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_an_embedding_with_8bit_states_is_the_eager_step():
+    batches = _embedding_batches(3, "cuda")
+    model, ref = _embedding_model("cuda"), _embedding_model("cuda")
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+
+    @forge.compile_train_step
+    def step(idx, c):
+        loss = (model(idx) * c).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    for idx, c in batches:
+        step(idx, c)
+        (ref(idx) * c).sum().backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert step.last_report.rows[0].fused, step.last_report
+    assert torch.equal(model.weight, ref.weight), (model.weight - ref.weight).abs().max()
+    for k in opt.state[model.weight]:
+        assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
+
+
+def test_interpreter_an_embedding_with_8bit_states_is_the_eager_step(interpret):
+    # the blocked path's Triton update on the embedding's dense row blocks, against the eager step's kernel
+    batches = _embedding_batches(2)
+    model, ref = _embedding_model(), _embedding_model()
+    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+
+    @forge.compile_train_step
+    def step(idx, c):
+        loss = (model(idx) * c).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    for idx, c in batches:
+        step(idx, c)
+        (ref(idx) * c).sum().backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert step.last_report.rows[0].fused, step.last_report
+    assert torch.equal(model.weight, ref.weight)
+    for k in opt.state[model.weight]:
+        assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k

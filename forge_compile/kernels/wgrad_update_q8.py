@@ -52,7 +52,7 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu",
+           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu", "embedding_block_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
 
@@ -65,13 +65,21 @@ def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: 
     return g
 
 
-def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int, salt: int, grad=None) -> None:
+def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int, salt: int, grad=None,
+                    block_grad=None) -> None:
     """The update (the module docstring): on CUDA tensors (or on CPU ones under the interpreter, FORGE_TRITON_CPU=1)
     the blocked path or the fused kernel (``use_blocked``), else the CPU path -- the same function, bitwise, on each
-    device's arithmetic."""
+    device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of rows r0..r1 made on demand (an embedding's,
+    from its compact rows), for the blocked paths."""
     from .wgrad_update import triton_on_cpu
 
     r = get_rule(rule)
+    if block_grad is not None:
+        if weight.is_cuda or triton_on_cpu():
+            wgrad_update_q8_blocked(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
+        else:
+            wgrad_update_q8_cpu(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
+        return
     if weight.is_cuda or triton_on_cpu():
         if grad is None and use_blocked(r, x.shape[0]) and x.shape[0] > 0:
             wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt)
@@ -362,7 +370,8 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt
 BLOCK_BYTES = SQNORM_BLOCK_BYTES
 
 
-def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int) -> None:
+def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int,
+                            block_grad=None) -> None:
     """The same update (bitwise the spec, as the fused kernel) as blocks of whole rows: dW of ``BLOCK_BYTES`` at
     most by torch.mm (cuBLAS on CUDA), then the kernel's stored-dW update of those rows, the rounding bits from the
     rows' element indices in the parameter (OFF0). Why: measured on an H100 (stop 42, RESULTS.md "8-bit block-wise
@@ -371,12 +380,13 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     point) at the unfused step's speed. Scalar states advance once, after the last block."""
     pairs, scalar_states = check_q8_states(weight, rule, states)
     n, k = weight.shape
-    _check_shapes(weight, dy_t, x)
+    if block_grad is None:
+        _check_shapes(weight, dy_t, x)
     rows = max(1, min(n, BLOCK_BYTES // (4 * k)))
     new = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        g = _mm_fp32(dy_t[r0:r1], x)
+        g = _mm_fp32(dy_t[r0:r1], x) if block_grad is None else block_grad(r0, r1)
         block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
         kernel, grid, args, opts, _, new_b = _prepare(weight[r0:r1], None, None, block_states, hparams, rule, key,
                                                       salt, g, None, off0=r0 * k)
@@ -414,25 +424,27 @@ def dw_block_bytes(n: int, k: int, rule: Rule, m: int, device_type: str) -> int:
 CPU_BLOCK_BYTES = _CPU_BLOCK_BYTES
 
 
-def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None) -> None:
+def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
+                        block_grad=None) -> None:
     """The spec one block of whole rows at a time (dW never whole): the same torch ops on each block, each block's
     elements quantized and rounded with their indices in the parameter, so the result is the spec's bit for bit."""
     from .stochastic_round import stochastic_round_bf16_at
 
     pairs, scalar_states = check_q8_states(weight, rule, states)
     n, k = weight.shape
-    if grad is None:
+    if grad is None and block_grad is None:
         _check_shapes(weight, dy_t, x)
     rows = max(1, CPU_BLOCK_BYTES // (4 * k))
     tensor_idx = [i for i, _, _ in pairs]
     ekey = element_key(key, salt)
     qkeys = [q8_state.state_element_key(key, salt, i) for i in tensor_idx]
-    xf = x.float() if grad is None else None
+    xf = x.float() if grad is None and block_grad is None else None
     new_scalars = None
     with torch.no_grad():
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            g = grad[r0:r1].float() if grad is not None else dy_t[r0:r1].float() @ xf
+            g = (grad[r0:r1].float() if grad is not None else block_grad(r0, r1) if block_grad is not None
+                 else dy_t[r0:r1].float() @ xf)
             ins, t = [], 0
             for i in range(len(rule.states)):
                 if rule.is_scalar_state(i):
@@ -533,4 +545,45 @@ _LIB.impl("apply_rule_q8_", apply_rule_q8_, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("forge::apply_rule_q8_", lib=_LIB)
 def _(param, grad, codes, scales, scalar_states, hparams, rule, round_key, round_salt):
+    return None
+
+
+# forge::embedding_update_q8_: an embedding weight's update with 8-bit states from the embedding's backward input. The
+# dense gradient exists one row block at a time only (wgrad_update_q8_blocked's blocks on CUDA, the CPU path's): each
+# block's rows come from embedding_update.compact_rows -- torch's own embedding_dense_backward on the renumbered
+# indices, each row bitwise the dense gradient's -- so the update is the eager optimizer's on autograd's dense
+# gradient, bit for bit, with [M, K] compact rows instead of [V, K] alive.
+_LIB.define(
+    "embedding_update_q8_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] codes, "
+    "Tensor(c!)[] scales, Tensor(d!)[] scalar_states, Tensor[] hparams, str rule, Tensor round_key, int round_salt, "
+    "int padding_idx=-1) -> ()",
+    tags=_compat.cudagraph_unsafe_tags())
+
+
+def embedding_block_grad(grad_output, indices, num_rows: int, padding_idx: int = -1):
+    """``block_grad(r0, r1)`` of the dense embedding gradient: rows r0..r1 as fp32, from the compact rows."""
+    from .embedding_update import compact_rows
+
+    rows, pos = compact_rows(grad_output, indices, num_rows, padding_idx)
+
+    def block(r0: int, r1: int) -> torch.Tensor:
+        p = pos[r0:r1].long()
+        return torch.where((p >= 0)[:, None], rows[p.clamp(min=0)].float(), 0.0)
+    return block
+
+
+def embedding_update_q8_(weight, grad_output, indices, codes, scales, scalar_states, hparams, rule, round_key,
+                         round_salt, padding_idx=-1):
+    states = _op_states("embedding_update_q8_", rule, codes, scales, scalar_states)
+    block = embedding_block_grad(grad_output, indices, weight.shape[0], padding_idx)
+    wgrad_update_q8(weight, None, None, states, hparams, rule, key=int(round_key), salt=round_salt, block_grad=block)
+    torch.autograd.graph.increment_version([weight, *codes, *scales, *scalar_states])
+
+
+_LIB.impl("embedding_update_q8_", embedding_update_q8_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::embedding_update_q8_", lib=_LIB)
+def _(weight, grad_output, indices, codes, scales, scalar_states, hparams, rule, round_key, round_salt,
+      padding_idx=-1):
     return None

@@ -552,9 +552,9 @@ def _anchor(match: _Match, order: dict, weight: fx.Node, states, after_copies: b
 def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool = False
                                 ) -> tuple[bool, str, Optional[fx.Node]]:
     """``should_fuse_wgrad_update`` for ``apply_rule_q8_`` (8-bit states): the dW of a 2-D fp32 or bf16 weight from
-    one matmul, the passes of an accumulating step or the ranks of data parallel, scaled (clip_grad_norm_) or not;
-    tied embeddings are not fused with 8-bit states yet (the update is then the unfused one: the same function from
-    the stored gradient)."""
+    one matmul or an embedding's backward, the passes of an accumulating step or the ranks of data parallel, scaled
+    (clip_grad_norm_) or not; tied embeddings are not fused with 8-bit states yet (the update is then the unfused
+    one: the same function from the stored gradient)."""
     apply = match.apply
     weight, _, codes, scales, scalars, hparams, rule_name, key = apply.args[:8]
     w = _meta(weight)
@@ -569,9 +569,14 @@ def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool =
     if match.emb is not None:
         return False, "8-bit states: a tied embedding's gradient is not fused yet (updated from the stored gradient)", \
             None
-    a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
-    if a is None or b is None or a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
-        return False, f"matmul operands are {getattr(a, 'dtype', None)}/{getattr(b, 'dtype', None)}", None
+    if match.embedding:
+        for emb, _ in match.pairs:
+            if why := _embedding_unsupported(emb, w):
+                return False, why, None
+    else:
+        a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
+        if a is None or b is None or a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
+            return False, f"matmul operands are {getattr(a, 'dtype', None)}/{getattr(b, 'dtype', None)}", None
     if match.passes and (why := _accumulation_unsupported(match, w)):
         return False, why, None
     if match.dp is not None and (why := _dp_unsupported(match, w)):
@@ -594,13 +599,21 @@ def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool =
 
 def _q8_how(match: _Match, w, rule: str, how: str) -> tuple[str, int]:
     """A fused 8-bit update's report text, and the dW bytes it holds at once: on CUDA the blocked path's row block
-    (kernels/wgrad_update_q8.use_blocked); the CPU paths' cache-sized blocks are working memory, as the fp32 CPU
-    path's (wgrad_update_cpu)."""
-    from ..kernels.wgrad_update_q8 import dw_block_bytes
+    (kernels/wgrad_update_q8.use_blocked; an embedding's always); the CPU paths' cache-sized blocks are working
+    memory, as the fp32 CPU path's (wgrad_update_cpu)."""
+    from ..kernels.wgrad_update_q8 import BLOCK_BYTES, dw_block_bytes
     from ..report import _fmt_bytes   # report imports this module
 
+    cuda = w.device.type == "cuda"
+    if match.embedding:
+        n, k = w.shape
+        held = min(n, max(1, BLOCK_BYTES // (4 * k))) * 4 * k if cuda else 0
+        # (the fp32 path's "no dense gradient" is not this one's: the dense rows exist a block at a time)
+        how = how.replace("embedding: gradient rows of the tokens seen, no dense gradient",
+                          "embedding: its dense gradient made a row block at a time from the tokens' rows")
+        return ", ".join(["8-bit states", how] + ([f"row blocks of {_fmt_bytes(held)}"] if held else [])), held
     tokens = sum(_meta(m.args[0]).shape[1] for m, _ in match.pairs) * (match.dp[1] if match.dp is not None else 1)
-    held = dw_block_bytes(*w.shape, get_rule(rule), tokens, "cuda") if w.device.type == "cuda" else 0
+    held = dw_block_bytes(*w.shape, get_rule(rule), tokens, "cuda") if cuda else 0
     parts = ["8-bit states"] + ([how] if how else [])
     if held:
         parts.append(f"dW made by cuBLAS in row blocks of {_fmt_bytes(held)} (the fused 8-bit kernel is slower for "
@@ -740,7 +753,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
         if w is None or w.dim() != 2:
             decisions.append(FusionDecision(name, shape, rule, False, "not a matrix (normal path)"))
             continue
-        match, reason = match_wgrad_update(node, embeddings and not q8)
+        match, reason = match_wgrad_update(node, embeddings)
         if match is not None and match.dp is not None and not dp_gather:
             match, reason = None, ("data parallel: the ranks were called with different argument shapes, so their dY "
                                    "and X cannot be all-gathered alike; dW is all-reduced as DDP does")
@@ -807,7 +820,8 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
             hparams, rule = list(hparams) + [hs], grad_scaled_rule(get_rule(rule)).name
             apply.args = (*apply.args[:hi], hparams, rule, *apply.args[hi + 2:])
         if q8:
-            _insert_wgrad_update_q8(graph, match, anchor, operands)
+            (_insert_embedding_update_q8 if match.embedding else _insert_wgrad_update_q8)(graph, match, anchor,
+                                                                                        operands)
             counters["fused_q8"] += 1
         elif match.embedding:
             grad_output, indices, _, padding_idx = match.mm.args[:4]
@@ -1119,3 +1133,17 @@ def _insert_wgrad_update_q8(graph: fx.Graph, match: _Match, anchor: fx.Node, ope
     for n in (dy_t, x, fused):
         if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
             n.meta["forge"] = "wgrad_update"
+
+
+def _insert_embedding_update_q8(graph: fx.Graph, match: _Match, anchor: fx.Node, operands=None) -> None:
+    """``forge::embedding_update_q8_`` after ``anchor``, from the embedding backward's gradient rows and indices
+    (accumulated passes / data parallel: the concatenated ``operands``)."""
+    weight, _, codes, scales, scalars, hparams, rule, key, salt = match.apply.args[:9]
+    grad_output, indices, _, padding_idx = match.mm.args[:4]
+    if operands is not None:
+        grad_output, indices = operands
+    with graph.inserting_after(anchor):
+        fused = graph.call_function(torch.ops.forge.embedding_update_q8_.default,
+                                    (weight, grad_output, indices, codes, scales, scalars, hparams, rule, key, salt,
+                                     padding_idx))
+    fused.meta["forge"] = "embedding_update"
