@@ -48,23 +48,28 @@ def test_every_value_within_one_code_step_and_in_range():
         assert c.float().abs().max() <= 448
         y = x / q8.dequantize(torch.ones_like(c), s)     # x in units of its block's scale
         err = (c.float() - y).abs()
-        assert (err < _code_step(y)).all()
+        # within one step; a value far below the smallest code is that code (the floor: never zero), 2^-9 - y, which
+        # rounds to 2^-9 itself in fp32 when y is below half its ulp
+        floored = (y.abs() < 2.0 ** -9) & (c.float().abs() == 2.0 ** -9)
+        assert (err < _code_step(y))[~floored].all() and (err <= _code_step(y)).all()
+        assert (c.float() != 0)[y != 0].all()
         # and each code is one of the two grid values around y (never further)
         assert ((c.float() - y) * torch.sign(y) <= _code_step(y)).all()
 
 
 def test_signed_zero_tiny_and_device_independent_scales():
-    # a negative value far below its block's smallest code rounds to -0 (0x80, torch's cast of -0.0; triton 3.6's
-    # unary minus would give +0 -- the kernel multiplies by -1); a block whose absmax / 448 is below 2^-126 is zeros;
-    # scales are absmax / 448 correctly rounded (a CUDA tensor divided by a Python scalar is multiplied by its
-    # rounded reciprocal instead, which the kernels' div_rn would not match)
+    # a nonzero value far below its block's smallest code is that code with its sign (0x81 / 0x01), never zero (the
+    # sign: triton 3.6's unary minus is 0 - x, the kernel multiplies by -1); a zero of either sign is +0; a block whose absmax / 448 is below 2^-126 is zeros; scales are absmax / 448 correctly rounded (a
+    # CUDA tensor divided by a Python scalar is multiplied by its rounded reciprocal instead, which the kernels' div_rn
+    # would not match)
     x = torch.zeros(3, q8.BLOCK)
-    x[0, 0], x[0, 1] = 448.0, -1e-12
+    x[0, 0], x[0, 1], x[0, 2], x[0, 3] = 448.0, -1e-12, -0.0, 1e-30
     x[1, 0] = 1e-40
     x[2] = torch.linspace(-3.0, 7.0, q8.BLOCK)
     for key in range(3):
         c, s = q8.quantize(x, key)
-        assert c.view(torch.uint8)[0, 1] == 0x80 and s[0] == 1.0
+        b = c.view(torch.uint8)
+        assert b[0, 1] == 0x81 and b[0, 2] == 0x00 and b[0, 3] == 0x01 and s[0] == 1.0
         assert s[1] == 0 and (c[1].float() == 0).all()
         assert s[2] == torch.tensor(7.0, dtype=torch.float64).div(448).float()
 

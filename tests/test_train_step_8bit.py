@@ -522,3 +522,66 @@ def test_interpreter_an_embedding_with_8bit_states_is_the_eager_step(interpret):
     assert torch.equal(model.weight, ref.weight)
     for k in opt.state[model.weight]:
         assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_the_blocked_paths_mm_reads_row_slices_of_a_transposed_operand():
+    # the blocked path's dW block: torch.mm(out_dtype=fp32) of rows r0..r1 of dy_t = dY.t() (a transposed view, as
+    # the step's graph passes it) against the same product of fp32 copies (bf16 products are exact in fp32: only the
+    # summation order differs)
+    from forge_compile.kernels.wgrad_norm import _mm_fp32
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(512, 5632, device="cuda", generator=g).bfloat16()
+    x = torch.randn(512, 2048, device="cuda", generator=g).bfloat16()
+    dy_t = dy.t()
+    for r0, r1 in ((0, 4096), (4096, 5632), (1000, 1100)):
+        got = _mm_fp32(dy_t[r0:r1], x)
+        want = dy_t[r0:r1].float() @ x.float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-5, (r0, r1, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("path,fuse,autocast", [("", True, True), ("fused", True, True), ("", False, True),
+                                                ("", True, False)])
+def test_cuda_one_step_of_a_wide_mlp_moves_the_states_as_eager(monkeypatch, path, fuse, autocast):
+    # the end-to-end shapes (a 5632 x 2048 weight: two 32 MiB row blocks): after one step the compiled and eager
+    # AdamW8bit's first moments (0.1 x dW, 8-bit) must agree up to the codes' rounding and bf16 dW rounding -- a
+    # wrong or misplaced dW block is ~1.4 apart in this relative norm
+    if path:
+        monkeypatch.setenv("FORGE_Q8_PATH", path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 5632, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(5632, 2048, bias=False)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(2048, 5632, bias=False), torch.nn.GELU(),
+                              torch.nn.Linear(5632, 2048, bias=False)).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt, ropt = AdamW8bit(model.parameters(), lr=1e-3), AdamW8bit(ref.parameters(), lr=1e-3)
+    x = torch.randn(2, 256, 2048, device="cuda")
+
+    def loss_of(m):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            return (m(x).float() - x).pow(2).mean()
+
+    @forge.compile_train_step(fuse=fuse)
+    def step():
+        loss = loss_of(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step()
+    loss_of(ref).backward()
+    ropt.step()
+    ropt.zero_grad()
+    assert all(d.fused == fuse for d in step.last_report.rows), step.last_report
+    errs = {}
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        m, rm = opt.dequantized_state(p)["exp_avg"], ropt.dequantized_state(r)["exp_avg"]
+        errs[name] = ((m - rm).norm() / rm.norm()).item()
+        # AdamW's first step moves each weight by lr x sign(dW) (x ~1): a wrong sign anywhere shows here
+        errs[name + " step"] = ((p - r).abs().max() / 1e-3).item()
+    assert all(v < 0.2 for k, v in errs.items() if not k.endswith("step")), errs
+    assert all(v < 0.5 for k, v in errs.items() if k.endswith("step")), errs

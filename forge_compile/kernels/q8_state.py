@@ -21,7 +21,8 @@ kernel, the CPU path and this reference) under a key of the step, the parameter'
     scale = absmax / 448, 0 where that is below 2^-126 (a block of ~1e-36 values is stored as zeros: 1 / scale
     stays finite);  inv = 1 / scale (0 for a zero block);  y = x * inv
     e = max(exponent(|y|), -6);  ulp = 2^(e - 3)      (e4m3: 3 mantissa bits, subnormals below 2^-6)
-    t = |y| / ulp;  q = (floor(t) + (u < t - floor(t))) x ulp,  u = (bits >> 8) / 2^24;  code = sign(y) x min(q, 448)
+    t = |y| / ulp;  q = (floor(t) + (u < t - floor(t))) x ulp,  u = (bits >> 8) / 2^24;  q = min(q, 448)
+    q = 2^-9 where q = 0 and y != 0;  code = sign(y) x q
 
 Each step is one IEEE operation in fp32 (the divisions tensor by tensor: torch divides a CUDA tensor by a scalar as a
 multiplication by its reciprocal, which a kernel's division would not match; ulp is a power of two), so a kernel
@@ -29,7 +30,14 @@ computing the same ops gets the same codes on any device. One division per block
 not a division per element: the fused kernel's epilogue is instruction-bound (stop 42, H100). The clamp at 448 only
 matters where x * inv rounds a hair above 448 (a block's absmax element). A non-finite state element makes its
 block's scale non-finite (every value of the block NaN after dequantization), as it would spoil the fp32 state's next
-update anyway. A negative value that rounds to zero is stored as -0 (e4m3's 0x80), as torch's cast of -0.0.
+update anyway. A zero of either sign is stored as +0.
+
+A nonzero value is never stored as zero: below the block's smallest code (2^-9 x scale) it is stored as that code,
+not rounded stochastically -- an upward bias of less than one smallest code, against a failure found in stop 43: Adam's
+v spans more octaves than e4m3 (its per-block range is 448 / 2^-9 = 2.3e5, v's squares the gradient's), so a small
+v rounded to zero while its m did not, and the next step with a zero gradient there (an embedding row not in the
+batch) moved that weight by lr x m / eps -- thousands of lr (a 2-layer Llama on CPU, 3 steps). With the floor, v
+never vanishes while m does not, and the step stays bounded by the fp32 step's scale.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ __all__ = ["BLOCK", "E4M3_MAX", "state_element_key", "quantize", "dequantize", "
 
 BLOCK = 128
 E4M3_MAX = 448.0
+_MIN_CODE = 2.0 ** -9      # e4m3's smallest subnormal
 _STATE_TAG = 0x51380000     # mixed into the step key per state: a state's bits differ from the weight's rounding bits
 _M32 = 0xFFFFFFFF
 
@@ -92,6 +101,8 @@ def quantize(x: torch.Tensor, ekey: int, start: int = 0) -> tuple[torch.Tensor, 
     u = (element_bits(idx, ekey) >> 8).to(torch.float32) * 2.0 ** -24
     q = (fl + (u < t - fl).float()) * _pow2(ulp_exp)
     q = torch.clamp(q, max=E4M3_MAX)
+    # never zero for a nonzero value (the module docstring: a zero v beside a nonzero m is an m / eps step)
+    q = torch.where((q == 0) & (a > 0), torch.full_like(q, _MIN_CODE), q)
     codes = torch.where(torch.isnan(y), y, torch.where(y < 0, -q, q))
     return codes.to(torch.float8_e4m3fn), scales
 
@@ -154,6 +165,7 @@ def _q8_quantize(x, off, ekey, BN: tl.constexpr, BK: tl.constexpr):
     u = r.to(tl.float32) * 5.9604644775390625e-08
     q = (fl + tl.where(u < t - fl, 1.0, 0.0)) * ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
     q = tl.minimum(q, 448.0)
+    q = tl.where((q == 0.0) & (a > 0.0), 0.001953125, q)
     code = tl.where(y != y, y, tl.where(y < 0, q * -1.0, q))
     return code, scale
 '''
