@@ -507,18 +507,19 @@ return [v6]""")
 
     def test_mlp_adamw8bit(self):
         # forge.optim.AdamW8bit, every parameter 8-bit: each update is forge::apply_rule_q8_ (codes, scales, the scalar
-        # step, the hyper-parameters, the key computed from the step in the graph, the parameter's index); the
-        # matrices' become forge::wgrad_update_q8_ after the key, the vectors' stay apply_rule_q8_ (not a matrix)
+        # step, the hyper-parameters, the key computed from the step in the graph -- hoisted to the graph's start --,
+        # the parameter's index); the matrices' become forge::wgrad_update_q8_ right after their matmul (v168 after
+        # the mm of v165: not at the end, which would keep every dY and X alive), the vectors' stay apply_rule_q8_
         from forge_compile.optim import AdamW8bit
 
         step, args = _mlp_step(lambda p: AdamW8bit(p, lr=1e-3, min_8bit_size=1))
         g, rep = _rewritten(step, *args)
         self.assertExpectedInline(_fused_lines(g), """\
-v56 = forge.wgrad_update_q8_(in0, v14, in44, [in5, in7], [in6, in8], [in4], [in24, in25, in26, in27, in28], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v55, 0)
-v96 = forge.apply_rule_q8_(in1, v16, [in10, in12], [in11, in13], [in9], [in29, in30, in31, in32, in33], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v95, 1)
-v136 = forge.wgrad_update_q8_(in2, v10, v2, [in15, in17], [in16, in18], [in14], [in34, in35, in36, in37, in38], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v135, 2)
-v176 = forge.apply_rule_q8_(in3, v12, [in20, in22], [in21, in23], [in19], [in39, in40, in41, in42, in43], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v175, 3)
-return [v5]""")
+v168 = forge.wgrad_update_q8_(in2, v166, v167, [in15, in17], [in16, in18], [in14], [in34, in35, in36, in37, in38], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v116, 2)
+v173 = forge.wgrad_update_q8_(in0, v172, in44, [in5, in7], [in6, in8], [in4], [in24, in25, in26, in27, in28], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v38, 0)
+v176 = forge.apply_rule_q8_(in1, v175, [in10, in12], [in11, in13], [in9], [in29, in30, in31, in32, in33], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v77, 1)
+v177 = forge.apply_rule_q8_(in3, v170, [in20, in22], [in21, in23], [in19], [in39, in40, in41, in42, in43], 'adamw[amsgrad=False,maximize=False,weight_decay=True]', v155, 3)
+return [v161]""")
         self.assertExpectedInline(str(rep), """\
 forge fusion report (train_step): 2 of 4 parameter updates fused, 168 B of weight gradients never allocated
 parameter         shape  fused  rule                                                   dW never allocated  reason

@@ -735,6 +735,7 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     Returns one FusionDecision per ``apply_rule_`` node (i.e. per updated parameter).
     """
     graph = gm.graph
+    _hoist_round_keys(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     decisions = []
     rewrites = []
@@ -848,6 +849,37 @@ def rewrite_wgrad_updates(gm: fx.GraphModule, names: dict, *, fuse: bool = True,
     graph.lint()
     gm.recompile()
     return decisions
+
+
+def _hoist_round_keys(graph: fx.Graph) -> None:
+    """Move each update's rounding key computed in the graph (a Rule8bitOptimizer's: round_key_t of the parameter's
+    step count, traced where opt.step() ran, after the whole backward) to the graph's start, where its inputs (graph
+    inputs only) already are: the fused op goes after its key, and a key at the end would hold every layer's dY and X
+    until then."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return
+    last = placeholders[-1]
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (_APPLY, _APPLY_Q8):
+            continue
+        key = node.args[7] if node.target is _APPLY_Q8 else (round_args(node) or (None,))[0]
+        if not isinstance(key, fx.Node) or key.op == "placeholder":
+            continue
+        chain, todo, ok = set(), [key], True
+        while todo and ok:
+            n = todo.pop()
+            if n in chain or n.op == "placeholder":
+                continue
+            ok = (n.op == "call_function" and isinstance(n.target, OpOverload) and not op_schema(n.target).is_mutable
+                  and torch.Tag.nondeterministic_seeded not in n.target.tags)
+            chain.add(n)
+            todo += n.all_input_nodes
+        if not ok:
+            continue
+        for n in [n for n in graph.nodes if n in chain]:     # in graph order: each after the one before
+            last.append(n)
+            last = n
 
 
 def round_args(node: fx.Node) -> Optional[tuple]:
