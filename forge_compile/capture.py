@@ -447,15 +447,15 @@ class CompiledTrainStep:
                         t = traced[id(pl.param)]
                         if t.grad is None:
                             continue       # torch.optim skips parameters without a gradient
-                        if is_8bit_optimizer(opt):
-                            _update_8bit(opt, pl, t, s, h, own)
-                            continue
                         if t.grad.layout != torch.strided:
                             # Inductor compiles dense tensors only: the step failed at run time, mid-update
                             raise ForgeCaptureError(
                                 f"forge: a {t.grad.layout} gradient (e.g. nn.Embedding(sparse=True)) is not supported; "
                                 "use the dense gradient (sparse=False): compile_train_step fuses an embedding's update "
                                 "without ever making its dense gradient")
+                        if is_8bit_optimizer(opt):
+                            _update_8bit(opt, pl, t, s, h, own)
+                            continue
                         param, grad = t, t.grad
                         if tp_specs is not None and _compat.is_dtensor(t):
                             param, grad = tensor_parallel.rule_inputs(t, t.grad)

@@ -585,3 +585,21 @@ def test_cuda_one_step_of_a_wide_mlp_moves_the_states_as_eager(monkeypatch, path
         errs[name + " step"] = ((p - r).abs().max() / 1e-3).item()
     assert all(v < 0.2 for k, v in errs.items() if not k.endswith("step")), errs
     assert all(v < 0.5 for k, v in errs.items() if k.endswith("step")), errs
+
+
+def test_a_sparse_gradient_is_refused_with_the_reason():
+    # as for torch's optimizers: nn.Embedding(sparse=True) is named, before any parameter changes
+    emb = torch.nn.Embedding(1000, 64, sparse=True)
+    opt = AdamW8bit(emb.parameters(), **HP)
+    w0 = emb.weight.detach().clone()
+
+    @forge.compile_train_step
+    def step(idx):
+        loss = emb(idx).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    with pytest.raises(forge.ForgeCaptureError, match="sparse"):
+        step(torch.tensor([[1, 2, 3]]))
+    assert torch.equal(emb.weight, w0)
