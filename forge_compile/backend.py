@@ -461,8 +461,7 @@ class _Extras:
 
 
     def _own_key(self, e) -> torch.Tensor:
-        names = e.plan.state_names
-        count = e.states[names.index("step" if "step" in e.plan.rule.scalar_states else "q8_count")]
+        count = e.plan.q8_inputs(e.states)[1]
         seed = self.opt.param_groups[e.plan.group_index]["seed"]
         return torch.tensor(round_key(int(seed), int(count)), dtype=torch.int64)
 
@@ -736,12 +735,9 @@ class _Compilation:
                     w, s_nodes, h_nodes = ph_of[i]
                     salt = self.salts[id(pl.param)]
                     if pl.q8:
-                        of = lambda suffix: [n for name, n in zip(pl.state_names, s_nodes)  # noqa: E731
-                                             if name.endswith(suffix)]
-                        scalars = [n for name, n in zip(pl.state_names, s_nodes) if name in pl.rule.scalar_states]
                         a = graph.call_function(torch.ops.forge.apply_rule_q8_.default,
-                                                (w, outs[i], of("_codes"), of("_scales"), scalars, h_nodes,
-                                                 pl.rule.name, key_of[i], salt))
+                                                (w, outs[i], *pl.q8_inputs(s_nodes)[0], h_nodes, pl.rule.name,
+                                                 key_of[i], salt))
                     else:
                         key = key_of[i] if self.q8 else key_ph
                         rounding = (key, salt) if key is not None and pl.param.dtype == torch.bfloat16 else ()

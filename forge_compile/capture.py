@@ -979,18 +979,15 @@ def _update_8bit(opt, pl, t, states, hparams, salt) -> None:
     count it reads (``step``, or ``q8_count``, advanced here), the 8-bit states through ``forge::apply_rule_q8_``
     (which the pattern pass fuses with the matmul of dW), full-precision ones through ``apply_rule_`` (a bf16
     parameter rounded stochastically with the same key). ``salt``: the parameter's index in its optimizer."""
-    rule, names = pl.rule, pl.state_names
-    count = states[names.index("step" if "step" in rule.scalar_states else "q8_count")]
+    inputs, count = pl.q8_inputs(states)
     key = round_key_t(int(opt.param_groups[pl.group_index]["seed"]), count)
     if pl.q8:
-        of = lambda suffix: [s for n, s in zip(names, states) if n.endswith(suffix)]   # noqa: E731
-        scalars = [s for n, s in zip(names, states) if n in rule.scalar_states]
-        torch.ops.forge.apply_rule_q8_(t, t.grad, of("_codes"), of("_scales"), scalars, hparams, rule.name, key, salt)
+        torch.ops.forge.apply_rule_q8_(t, t.grad, *inputs, hparams, pl.rule.name, key, salt)
     elif t.dtype == torch.bfloat16:
-        torch.ops.forge.apply_rule_(t, t.grad, list(states[:len(rule.states)]), hparams, rule.name, key, salt)
+        torch.ops.forge.apply_rule_(t, t.grad, list(inputs), hparams, pl.rule.name, key, salt)
     else:
-        torch.ops.forge.apply_rule_(t, t.grad, list(states[:len(rule.states)]), hparams, rule.name)
-    if "q8_count" in names:
+        torch.ops.forge.apply_rule_(t, t.grad, list(inputs), hparams, pl.rule.name)
+    if "q8_count" in pl.state_names:
         count.add_(1)
 
 

@@ -7,7 +7,6 @@ bitwise comparisons use a model whose weight gradients are exact in any summatio
 a loss linear in the outputs), so that any difference is the update's. A checkpoint moves between the compiled and
 the eager step; the Dynamo route (backend="forge") fuses them too; cuda_graphs=True runs the step unreplayed.
 """
-import os
 
 import pytest
 import torch
@@ -432,12 +431,11 @@ def _embedding_model(device="cpu"):
     return torch.nn.Embedding(1000, 64, padding_idx=3).to(device)      # 64000 elements: 8-bit states
 
 
-@pytest.mark.parametrize("route", ["step", "step_unfused", "backend"])
-def test_an_embedding_with_8bit_states_is_the_eager_step(route):
+def _embedding_step_is_the_eager_step(route="step", device="cpu"):
     # forge::embedding_update_q8_: the dense gradient one row block at a time from the tokens' compact rows (each
     # row bitwise autograd's), so the update is the eager step's on the dense gradient, bit for bit
-    batches = _embedding_batches(3)
-    model, ref = _embedding_model(), _embedding_model()
+    batches = _embedding_batches(3, device)
+    model, ref = _embedding_model(device), _embedding_model(device)
     opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
 
     def loss_of(m, idx, c):
@@ -476,52 +474,20 @@ def test_an_embedding_with_8bit_states_is_the_eager_step(route):
         assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
 
 
+@pytest.mark.parametrize("route", ["step", "step_unfused", "backend"])
+def test_an_embedding_with_8bit_states_is_the_eager_step(route):
+    _embedding_step_is_the_eager_step(route)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_an_embedding_with_8bit_states_is_the_eager_step():
-    batches = _embedding_batches(3, "cuda")
-    model, ref = _embedding_model("cuda"), _embedding_model("cuda")
-    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
-
-    @forge.compile_train_step
-    def step(idx, c):
-        loss = (model(idx) * c).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    for idx, c in batches:
-        step(idx, c)
-        (ref(idx) * c).sum().backward()
-        ropt.step()
-        ropt.zero_grad()
-    assert step.last_report.rows[0].fused, step.last_report
-    assert torch.equal(model.weight, ref.weight), (model.weight - ref.weight).abs().max()
-    for k in opt.state[model.weight]:
-        assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
+    _embedding_step_is_the_eager_step(device="cuda")
 
 
 def test_interpreter_an_embedding_with_8bit_states_is_the_eager_step(interpret):
     # the blocked path's Triton update on the embedding's dense row blocks, against the eager step's kernel
-    batches = _embedding_batches(2)
-    model, ref = _embedding_model(), _embedding_model()
-    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    _embedding_step_is_the_eager_step()
 
-    @forge.compile_train_step
-    def step(idx, c):
-        loss = (model(idx) * c).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    for idx, c in batches:
-        step(idx, c)
-        (ref(idx) * c).sum().backward()
-        ropt.step()
-        ropt.zero_grad()
-    assert step.last_report.rows[0].fused, step.last_report
-    assert torch.equal(model.weight, ref.weight)
-    for k in opt.state[model.weight]:
-        assert torch.equal(opt.state[model.weight][k], ropt.state[ref.weight][k]), k
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

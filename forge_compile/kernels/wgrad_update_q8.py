@@ -52,7 +52,8 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu", "embedding_block_grad",
+           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu", "embedding_block_grad", "as_rows",
+           "update_from_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
 
@@ -522,21 +523,29 @@ def _(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, r
 # pass turns it and the matmul feeding its gradient into forge::wgrad_update_q8_. Never decomposed for Inductor (as
 # apply_rule_ is): its implementation is the eager optimizer's (the stored-dW kernel on CUDA, the CPU path), bitwise
 # the spec, which Inductor's code for the spec's torch ops would not promise. Any parameter shape: the states' rows
-# are the parameter's first dimension (optimizer8bit._as_2d).
+# are the parameter's first dimension (as_rows).
 _LIB.define(
     "apply_rule_q8_(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, "
     "Tensor(d!)[] scalar_states, Tensor[] hparams, str rule, Tensor round_key, int round_salt) -> ()",
     tags=_compat.cudagraph_unsafe_tags())
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [first dim, the rest]: 128-blocks lie inside these rows, as in a weight [N, K] (a conv weight [O, I,
+    kh, kw] has rows of I * kh * kw, not of kw, which would cost a 4-byte scale per kw elements)."""
     return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
+
+
+def update_from_grad(param, grad, states, hparams, rule: str, *, key: int, salt: int) -> None:
+    """The 8-bit update of a parameter of any shape from its stored gradient: the eager optimizer's step
+    (optim/optimizer8bit.py) and forge::apply_rule_q8_'s implementation."""
+    wgrad_update_q8(as_rows(param), None, None, states, hparams, rule, key=key, salt=salt,
+                    grad=as_rows(grad.contiguous()).float())
 
 
 def apply_rule_q8_(param, grad, codes, scales, scalar_states, hparams, rule, round_key, round_salt):
     states = _op_states("apply_rule_q8_", rule, codes, scales, scalar_states)
-    wgrad_update_q8(_rows(param), None, None, states, hparams, rule, key=int(round_key), salt=round_salt,
-                    grad=_rows(grad.contiguous()).float())
+    update_from_grad(param, grad, states, hparams, rule, key=int(round_key), salt=round_salt)
     torch.autograd.graph.increment_version([param, *codes, *scales, *scalar_states])
 
 

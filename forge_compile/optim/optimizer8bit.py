@@ -36,17 +36,12 @@ import torch
 
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
+from ..kernels.wgrad_update_q8 import as_rows, update_from_grad
 from .lion import Lion
 from .rule import Rule
 from .rules import adamw_rule, lion_rule
 
 __all__ = ["Rule8bitOptimizer", "AdamW8bit", "Lion8bit"]
-
-
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    # [first dim, the rest]: 128-blocks lie inside these rows, as in a weight [N, K] (a conv weight [O, I, kh, kw] has
-    # rows of I * kh * kw, not of kw, which would cost a 4-byte scale per kw elements)
-    return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
 
 
 class Rule8bitOptimizer(torch.optim.Optimizer):
@@ -97,9 +92,15 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
         names = []
         for i, name in enumerate(rule.states):
             names += [f"{name}_codes", f"{name}_scales"] if big and not rule.is_scalar_state(i) else [name]
-        if "step" not in rule.scalar_states:
+        if self.count_name(rule) == "q8_count":
             names.append("q8_count")
         return big, tuple(names)
+
+    @staticmethod
+    def count_name(rule: Rule) -> str:
+        """The state counting a parameter's updates, whose value keys its rounding bits: the rule's ``step``, else
+        the optimizer's own ``q8_count``."""
+        return "step" if "step" in rule.scalar_states else "q8_count"
 
     def forge_states(self, p: torch.Tensor, group: dict) -> list:
         """``p``'s states (created as the first ``step`` would) in ``q8_layout`` order: what compile_train_step's
@@ -112,7 +113,7 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
     def _init_state(self, p, group, rule):
         state = self.state[p]
         big = self.is_8bit(p, group)
-        n, k = _as_2d(p).shape
+        n, k = as_rows(p).shape
         nb = -(-k // q8_state.BLOCK)
         for i, name in enumerate(rule.states):
             if rule.is_scalar_state(i):
@@ -122,7 +123,7 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
                 state[f"{name}_scales"] = torch.zeros(n, nb, dtype=torch.float32, device=p.device)
             else:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if "step" not in rule.scalar_states:
+        if self.count_name(rule) == "q8_count":
             state["q8_count"] = torch.tensor(0.0)
 
     def _states(self, state, rule, big):
@@ -153,15 +154,12 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, rule)
-                counter = state["step"] if "step" in rule.scalar_states else state["q8_count"]
+                counter = state[self.count_name(rule)]
                 key = round_key(group["seed"], int(counter))
                 big = any(k.endswith("_codes") for k in state)
                 states = self._states(state, rule, big)
                 if big:
-                    from ..kernels.wgrad_update_q8 import wgrad_update_q8
-
-                    wgrad_update_q8(_as_2d(p), None, None, states, hp, rule.name, key=key, salt=salt,
-                                    grad=_as_2d(p.grad.contiguous()).float())
+                    update_from_grad(p, p.grad, states, hp, rule.name, key=key, salt=salt)
                 elif p.dtype == torch.bfloat16:
                     rule.apply_rounded(p, p.grad, states, hp, element_key(key, salt))
                 else:

@@ -51,6 +51,20 @@ class ParamPlan:
     def state_names(self) -> tuple:
         return self.rule.states if self.names is None else self.names
 
+    def q8_inputs(self, states) -> tuple:
+        """A Rule8bitOptimizer plan's ``states`` (``prepare_states``' list, or graph nodes in its order) as the 8-bit
+        ops take them -- (codes, scales, scalar states) for an 8-bit parameter, the rule's states otherwise -- and its
+        update count (whose value keys the rounding bits)."""
+        from .optimizer8bit import Rule8bitOptimizer
+
+        names = self.state_names
+        count = states[names.index(Rule8bitOptimizer.count_name(self.rule))]
+        if not self.q8:
+            return tuple(states[:len(self.rule.states)]), count
+        pick = lambda f: [s for n, s in zip(names, states) if f(n)]   # noqa: E731
+        return (pick(lambda n: n.endswith("_codes")), pick(lambda n: n.endswith("_scales")),
+                pick(lambda n: n in self.rule.scalar_states)), count
+
 
 # -- per optimizer: the group's rule, its state, its hyper-parameters ----------------------------------
 

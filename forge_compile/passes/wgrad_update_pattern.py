@@ -481,28 +481,32 @@ def should_fuse_wgrad_update(match: _Match, order: dict, after_copies: bool = Fa
             return False, why, None
     if not match.embedding and (a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype):
         return False, f"matmul operands are {a.dtype}/{b.dtype}", None
-    if match.passes:
-        why = _accumulation_unsupported(match, w)
-        if why:
-            return False, why, None
-    if match.dp is not None:
-        why = _dp_unsupported(match, w)
-        if why:
-            return False, why, None
+    if why := _gradient_unsupported(match, w, rule, order):
+        return False, why, None
+
+    # a rounding key computed in the graph (a Rule8bitOptimizer's, from the parameter's step) must exist there too
+    key = round_args(apply)[0] if rounded else None
+    return _anchor(match, order, weight, states, after_copies, extra=[key] if isinstance(key, fx.Node) else [])
+
+
+def _gradient_unsupported(match: _Match, w, rule, order: dict) -> Optional[str]:
+    """Why the gradient's form -- accumulated passes, data parallel's mean, a scaling (clip_grad_norm_) -- or the
+    rule it makes (a scaled one) keeps the fused update from taking it, or None (both should_fuse_* ask this)."""
+    if match.passes and (why := _accumulation_unsupported(match, w)):
+        return why
+    if match.dp is not None and (why := _dp_unsupported(match, w)):
+        return why
     if match.scale_mul is not None:
         if why := _scale_unsupported(match, order):
-            return False, why, None
+            return why
         rule = grad_scaled_rule(rule)
     if w.device.type == "cuda":
         from ..kernels import epilogue_supported
 
         ok, why = epilogue_supported(rule)
         if not ok:
-            return False, why, None
-
-    # a rounding key computed in the graph (a Rule8bitOptimizer's, from the parameter's step) must exist there too
-    key = round_args(apply)[0] if rounded else None
-    return _anchor(match, order, weight, states, after_copies, extra=[key] if isinstance(key, fx.Node) else [])
+            return why
+    return None
 
 
 def _scale_unsupported(match: _Match, order: dict) -> Optional[str]:
@@ -577,21 +581,8 @@ def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool =
         a, b = _meta(match.mm.args[0]), _meta(match.mm.args[1])
         if a is None or b is None or a.dtype not in _FUSED_DTYPES_IN or a.dtype != b.dtype:
             return False, f"matmul operands are {getattr(a, 'dtype', None)}/{getattr(b, 'dtype', None)}", None
-    if match.passes and (why := _accumulation_unsupported(match, w)):
+    if why := _gradient_unsupported(match, w, get_rule(rule_name), order):
         return False, why, None
-    if match.dp is not None and (why := _dp_unsupported(match, w)):
-        return False, why, None
-    rule = get_rule(rule_name)
-    if match.scale_mul is not None:
-        if why := _scale_unsupported(match, order):
-            return False, why, None
-        rule = grad_scaled_rule(rule)
-    if w.device.type == "cuda":
-        from ..kernels import epilogue_supported
-
-        ok, why = epilogue_supported(rule)
-        if not ok:
-            return False, why, None
     # the rounding key is computed in the graph (from the step count): the fused op goes after it too
     return _anchor(match, order, weight, [*codes, *scales, *scalars], after_copies,
                    extra=[key] if isinstance(key, fx.Node) else [])
