@@ -146,6 +146,23 @@ def test_per_launch_argument_after_the_scalars():
     assert lm.counters["built"] == 0 and lm.counters["unsupported"] == 1
 
 
+def test_lookup_without_advancing_leaves_the_scalar_states():
+    # a launch on one row block of a weight (wgrad_update_q8's blocked path): the next block's scalars must come from
+    # the same step value, so the caller advances the scalar states once, after the last block
+    rule, ep, w, states, sidx, hp = _setup()
+    kernel = FakeKernel()
+    x = torch.randn(5, 4)
+    key = lm.launch_key("k", rule, w, x.t(), x, states, None)
+    n_scalars = len(host_scalars(ep, [states[i] for i in sidx], hp)[0])
+    FakeKernel.arg_names = ["w_desc", "x", *[f"s{i}" for i in range(n_scalars)], "M", "BLOCK"]
+    for _ in range(2):
+        lm.remember(key, rule, _prepare_fn(kernel, w, x, ep, states, sidx, hp), ep, states, hp, sidx)
+    step_before = states[sidx[0]].item()
+    assert lm.lookup(key, states, hp, advance=False) and lm.lookup(key, states, hp, advance=False)
+    assert states[sidx[0]].item() == step_before
+    assert kernel.launched[0][2:2 + n_scalars] == kernel.launched[1][2:2 + n_scalars]
+
+
 def test_key_follows_pointer_shape_stride_dtype_and_kind():
     rule, ep, w, states, sidx, hp = _setup()
     x = torch.randn(6, 4)

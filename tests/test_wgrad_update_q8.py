@@ -77,7 +77,11 @@ def _check_kernel_is_the_spec(kind, n, k, m, wdtype, act, device, config=None, f
         elif not cpu_path:
             launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=5, grad=g if from_grad else None,
                                    config=config)
-    bits = torch.int16 if wdtype == torch.bfloat16 else torch.int32
+    _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, steps)
+
+
+def _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, steps):
+    bits = torch.int16 if w_k.dtype == torch.bfloat16 else torch.int32
     assert torch.equal(w_k.view(bits), w_ref.view(bits)), f"W differs in {(w_k != w_ref).sum().item()} elements"
     for i, (a, b) in enumerate(zip(st_k, st_ref)):
         if rule.is_scalar_state(i):
@@ -227,3 +231,37 @@ def test_cuda_blocked_path_is_the_spec(monkeypatch, kind):
 @CUDA
 def test_cuda_q8_update_of_a_stored_grad():
     _check_kernel_is_the_spec("adamw", 256, 1024, 64, torch.float32, torch.bfloat16, "cuda", from_grad=True)
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["adamw", "lion"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_repeated_launches_take_the_launch_memo_and_stay_the_spec(monkeypatch, kind, wdtype):
+    # a step launches the same layers on the same buffers: from the third step on each launch goes through
+    # launch_memo -- the round keys passed per launch, the scalar states advanced once per update, not per row block
+    # -- and every step stays bitwise the spec: the fused kernel on fixed activations, the blocked path on the row
+    # blocks of a fixed dW buffer (block_grad, so that the blocks' addresses repeat as a step's allocations do)
+    from forge_compile.kernels import launch_memo as lm
+    from forge_compile.kernels import wgrad_update_q8 as wq
+    from forge_compile.kernels.wgrad_update_q8 import reference_wgrad_update_q8
+
+    monkeypatch.setattr(wq, "BLOCK_BYTES", 64 * 520 * 4)
+    monkeypatch.setitem(lm.ENABLED, 0, True)
+    lm.clear()
+    rule, w, dy_t, x, states, hp = _case(kind, 200, 520, 300, wdtype, torch.bfloat16, "cuda")
+    w_ref, st_ref = w.clone(), _to(states, "cuda")
+    w_f, st_f = w.clone(), _to(states, "cuda")
+    w_b, st_b = w.clone(), _to(states, "cuda")
+    gbuf = torch.empty(w.shape, device="cuda")
+    steps = 5
+    for step in range(steps):
+        key = round_key(3, step)
+        gbuf.copy_(reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5))
+        wq.launch_wgrad_update_q8(w_f, dy_t, x, st_f, hp, rule, key=key, salt=5)
+        wq.wgrad_update_q8_blocked(w_b, None, None, st_b, hp, rule, key=key, salt=5,
+                                   block_grad=lambda r0, r1: gbuf[r0:r1])
+        for w_k, st_k in ((w_f, st_f), (w_b, st_b)):
+            _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, step + 1)
+    # one fused launch and four row blocks (200 rows by 64) per step: remembered at the second step, hits from the third
+    assert lm.counters["built"] == 5 and lm.counters["hit"] == 5 * (steps - 2), (dict(lm.counters), lm.LAST_ERROR[0])
+    lm.clear()

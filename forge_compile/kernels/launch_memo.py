@@ -99,9 +99,10 @@ def launch_key(kind, rule, weight, dy_t, x, states, side_out) -> tuple:
             tuple(_tkey(s) if s.dim() else None for s in states), _tkey(side_out))
 
 
-def lookup(key: tuple, states, hparams, var: tuple = ()) -> bool:
+def lookup(key: tuple, states, hparams, var: tuple = (), advance: bool = True) -> bool:
     """Launch through a remembered entry; False (nothing done) when there is none. ``var``: the values of the
-    entry's per-launch arguments after the scalars (``remember(nvar=...)``)."""
+    entry's per-launch arguments after the scalars (``remember(nvar=...)``). ``advance`` False: the scalar states
+    are left as they were (a launch on one row block of a weight: they advance once, after the last block)."""
     if not ENABLED[0]:
         return False
     entry = _ENTRIES.get(key)
@@ -130,9 +131,10 @@ def lookup(key: tuple, states, hparams, var: tuple = ()) -> bool:
                     type(e).__name__, str(e)[:300])
         return False
     # no_grad costs more than the fill itself; inside a backward (where the forge routes launch) grad is off
-    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-        for s, new in zip(scalar_states, new_scalar_states):
-            s.fill_(new)
+    if advance:
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            for s, new in zip(scalar_states, new_scalar_states):
+                s.fill_(new)
     counters["hit"] += 1
     return True
 

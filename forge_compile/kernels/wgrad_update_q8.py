@@ -146,10 +146,11 @@ def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row
 {state_stores}
 
 
-# the keys never specialized: a key of 1 would become a constexpr
+# the keys never specialized: a key of 1 would become a constexpr. They follow the host scalars: the per-step
+# arguments are one run, as launch_memo splices them (remember(nvar=...))
 @triton.jit(do_not_specialize=["EKEY", "OFF0", {qkey_names}])
 def wgrad_update_q8_kernel(
-    W, DYT, X, G, {q8_ptrs}EKEY, {qkey_params}{kernel_scalar_params}N, K, M, NB, OFF0,
+    W, DYT, X, G, {q8_ptrs}{kernel_scalar_params}EKEY, {qkey_params}N, K, M, NB, OFF0,
     stride_dn, stride_dm, stride_xm, stride_xk, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, FROM_GRAD: tl.constexpr,
@@ -326,11 +327,10 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, len(pairs), grad is not None)]
     if cfg.bk % (128 * cfg.split):
         raise ValueError(f"forge: config {config!r}: BLOCK_K / EPI_SPLIT must be a multiple of 128")
-    ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
-    qkeys = [q8_state.state_element_key(key, salt, i) for i, _, _ in pairs]
+    ekey, qkeys = _round_keys(weight, rule, key, salt)
     grid = (-(-n // cfg.bn) * -(-k // cfg.bk),)
     gmat = grad if grad is not None else weight
-    args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], ekey, *qkeys, *scalars,
+    args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], *scalars, ekey, *qkeys,
             n, k, m, -(-k // q8_state.BLOCK), off0, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
             gmat.stride(0))
     opts = dict(BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group, EVEN_M=(m % cfg.bm == 0),
@@ -341,17 +341,60 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
     return kernel, grid, args, opts, scalar_states, new_scalar_states
 
 
+def _round_keys(weight, rule: Rule, key: int, salt: int) -> tuple[int, list[int]]:
+    """The launch's per-step arguments: the weight's rounding key (0 for an fp32 weight) and each tensor state's."""
+    ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
+    return ekey, [q8_state.state_element_key(key, salt, i) for i in range(len(rule.states))
+                  if not rule.is_scalar_state(i)]
+
+
+def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config=None, off0: int = 0):
+    """One kernel launch; returns (the scalar states, their values after the update): advancing them is the caller's,
+    once per update after its last launch (a blocked update launches once per row block).
+
+    A CUDA launch whose tensors (pointers, shapes, strides, dtypes) repeat an earlier one's goes through launch_memo:
+    a step launches the same layers on the same buffers, and Triton's JIT dispatch plus ``_prepare`` cost tens of us
+    of host per launch -- per row block on the blocked path (the end-to-end 8-bit step was host-bound, RESULTS.md "8-bit
+    states end to end"). The round keys, new at every step, are the memo's per-launch arguments after the scalars."""
+    from . import launch_memo
+    from .wgrad_update_triton import fp32_dot_precision, host_scalars
+
+    memo_key = None
+    if (weight.is_cuda and config is None and launch_memo.ENABLED[0]
+            and (grad is not None or x.shape[0] > 0)):   # M == 0 launches on temporaries (see _prepare)
+        flat = [t for st in states for t in (st if isinstance(st, (tuple, list)) else (st,))]
+        prec = "" if grad is not None else fp32_dot_precision(dy_t, x)
+        memo_key = launch_memo.launch_key(("q8", off0, prec), rule, weight, dy_t, x, flat, grad)
+        ekey, qkeys = _round_keys(weight, rule, key, salt)
+        if launch_memo.lookup(memo_key, states, hparams, (ekey, *qkeys), advance=False):
+            scalar_states = [states[i] for i in _scalar_idx(rule)]
+            return scalar_states, host_scalars(_kernel_for(rule, "cuda")[0], scalar_states, hparams)[1]
+    kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
+                                                            config, off0)
+    kernel[grid](*args, **opts)
+    if memo_key is not None:
+        launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
+                                                              None, off0),
+                             _kernel_for(rule, "cuda")[0], states, hparams, _scalar_idx(rule), nvar=1 + len(qkeys))
+    return scalar_states, new
+
+
+def _scalar_idx(rule: Rule) -> list[int]:
+    return [i for i in range(len(rule.states)) if rule.is_scalar_state(i)]
+
+
+def _advance(scalar_states, new) -> None:
+    # after the kernel(s) consumed their old values
+    with torch.no_grad():
+        for s, v in zip(scalar_states, new):
+            s.fill_(v)
+
+
 def launch_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
                            config: str | None = None) -> None:
     """One fused update with 8-bit states (the module docstring); ``grad`` given: the update of that stored dW
     (dy_t and x unused), as the unfused baseline and for parameters whose dW is not a GEMM's."""
-    kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
-                                                            config)
-    kernel[grid](*args, **opts)
-    # the scalar states advance once per launch, after the kernel consumed their old values
-    with torch.no_grad():
-        for s, v in zip(scalar_states, new):
-            s.fill_(v)
+    _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, grad, config))
 
 
 def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
@@ -389,13 +432,9 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
         r1 = min(n, r0 + rows)
         g = _mm_fp32(dy_t[r0:r1], x) if block_grad is None else block_grad(r0, r1)
         block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
-        kernel, grid, args, opts, _, new_b = _prepare(weight[r0:r1], None, None, block_states, hparams, rule, key,
-                                                      salt, g, None, off0=r0 * k)
-        kernel[grid](*args, **opts)
+        _, new_b = _launch(weight[r0:r1], None, None, block_states, hparams, rule, key, salt, g, off0=r0 * k)
         new = new if new is not None else new_b
-    with torch.no_grad():
-        for s, v in zip(scalar_states, new or []):
-            s.fill_(v)
+    _advance(scalar_states, new or [])
 
 
 def use_blocked(rule: Rule, m: int) -> bool:
