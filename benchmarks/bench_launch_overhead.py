@@ -14,6 +14,10 @@ only while the host part is the slower one. Rows, each adding one layer above th
             op_cycle_no_direct: the same with launch_memo.DIRECT off (memo hits through ``CompiledKernel[grid]``)
   *_tf32  - fp32 activations under TF32 (the Gluon kernel on K-major copies): copies_tf32 = the two copies alone,
             op_tf32_full = the op with the memo off, op_tf32 / op_cycle_tf32 as op / op_cycle
+  q8_*    - 8-bit states (forge.optim.AdamW8bit's format): q8_op / q8_op_full = ``forge::wgrad_update_q8_`` (the
+            blocked path: cuBLAS into one row block, then the stored-dW update) with launch_memo on / off;
+            q8_fused = the same op on the fused kernel (FORGE_Q8_PATH=fused); q8_apply = ``forge::apply_rule_q8_``
+            (the eager AdamW8bit step's update of one stored gradient)
 and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
 Results: stdout and DIR/launch_overhead.json.
 """
@@ -95,6 +99,48 @@ def tf32_rows(a, rule, n, k, m) -> dict:
         launch_memo.ENABLED[0] = True
 
 
+def q8_rows(a, n, k, m) -> dict:
+    from forge_compile.kernels import q8_state
+    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state
+
+    rule, w, dy_t, x, states, hp = make_inputs("adamw", torch.bfloat16, n, k, m)
+    step = torch.tensor(10.0)
+    pairs = [empty_q8_state(w) for _ in range(2)]
+    for c, sc in pairs:   # nonzero states (a zero block takes no different path, but be representative)
+        c.copy_(q8_state.quantize(torch.rand(n, k, device=w.device) * 1e-3, 1)[0])
+        sc.fill_(1e-5)
+    codes, scales = [c for c, _ in pairs], [sc for _, sc in pairs]
+    key = torch.tensor(12345)
+    grad = torch.randn(n, k, device=w.device)
+    op = torch.ops.forge.wgrad_update_q8_.default
+    apply = torch.ops.forge.apply_rule_q8_.default
+
+    def reset():
+        step.fill_(10.0)
+
+    def call():
+        op(w, dy_t, x, codes, scales, [step], hp, rule.name, key, 3)
+    rows = {}
+    old = os.environ.get("FORGE_Q8_PATH")
+    try:
+        os.environ["FORGE_Q8_PATH"] = "blocked"
+        launch_memo.ENABLED[0] = False
+        rows["q8_op_full"] = per_call_us(call, a.calls, reset)
+        launch_memo.ENABLED[0] = True
+        rows["q8_op"] = per_call_us(call, a.calls, reset)
+        os.environ["FORGE_Q8_PATH"] = "fused"
+        rows["q8_fused"] = per_call_us(call, a.calls, reset)
+    finally:
+        launch_memo.ENABLED[0] = True
+        if old is None:
+            os.environ.pop("FORGE_Q8_PATH", None)
+        else:
+            os.environ["FORGE_Q8_PATH"] = old
+    rows["q8_apply"] = per_call_us(lambda: apply(w, grad, codes, scales, [step], hp, rule.name, key, 3), a.calls,
+                                   reset)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -142,6 +188,7 @@ def main():
     # fp32 activations under TF32 (the Gluon kernel on K-major copies of dY and X, made before the memo lookup,
     # whose addresses join the key): the op with the same tensors, memo on and off, and the 57-layer cycle
     rows.update(tf32_rows(a, rule, n, k, m))
+    rows.update(q8_rows(a, n, k, m))
     unfused, _ = make_unfused("adamw", rule, w, dy_t, x, states, hp)
     rows["unfused"] = per_call_us(unfused, a.calls, lambda: None)
     import triton
