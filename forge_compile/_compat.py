@@ -318,6 +318,12 @@ def detect_fake_mode(inputs):
     return _detect(inputs)
 
 
+def is_real_tensor_in_fake_trace(exc: BaseException) -> bool:
+    """Whether a fake-mode trace failed because an op met a real tensor: one the traced function read from somewhere
+    other than its inputs (FakeTensorMode's message; torch 2.11-2.13)."""
+    return isinstance(exc, AssertionError) and "convert all Tensors to FakeTensors" in str(exc)
+
+
 def outside_fake_mode():
     """A context in which tensor ops run on real tensors even inside a FakeTensorMode (AOTAutograd compiles a
     dynamic-shape graph's backward eagerly under the forward's fake mode, where forge reads real optimizer

@@ -93,6 +93,29 @@ def _referenced(fn) -> dict:
     return found
 
 
+def _foreign_tensors(fn, params, buffers) -> str:
+    """' (NAMES)': the tensors that ``fn`` -- or a function it names -- reads from its closure or globals and that are
+    not among ``params`` / ``buffers`` (the step's inputs lifted from its modules); '' when none is found that way."""
+    own = {id(t) for t in (*params, *buffers)}
+    names, seen = [], set()
+    todo = [("", fn)]
+    while todo:
+        prefix, f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        try:
+            refs = _referenced(f)
+        except (AttributeError, TypeError):   # a builtin or a callable object without code
+            continue
+        for name, obj in refs.items():
+            if isinstance(obj, torch.Tensor) and id(obj) not in own:
+                names.append(f"{prefix}{name}")
+            elif inspect.isfunction(obj) and len(seen) < 32:
+                todo.append((f"{obj.__name__}: ", obj))
+    return f" ({', '.join(sorted(set(names)))})" if names else ""
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FORGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -530,6 +553,13 @@ class CompiledTrainStep:
         except ForgeCaptureError:
             raise
         except Exception as e:
+            if _compat.is_real_tensor_in_fake_trace(e):
+                raise ForgeCaptureError(
+                    f"forge: the train step reads a tensor{_foreign_tensors(self._fn, params, buffers)} that is "
+                    f"neither an argument of the step nor a parameter or buffer of its modules{_failing_line(e)}. "
+                    "compile_train_step captures the step once with stand-in tensors and replays the graph with the "
+                    "step's arguments, so such a tensor cannot be followed when it changes. No parameter was changed. "
+                    "Pass it to the step as an argument.") from e
             raise ForgeCaptureError(
                 f"forge: could not capture the train step as one graph{_failing_line(e)} ({type(e).__name__}: {e}). "
                 "The step must be traceable: no .item()/float(tensor)/data-dependent Python control flow, "

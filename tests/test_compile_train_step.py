@@ -910,6 +910,26 @@ def test_untraceable_step_names_its_line():
         forge.compile_train_step(body)(*_mlp_batch())
 
 
+def test_a_tensor_from_the_enclosing_scope_is_named_and_refused():
+    # the trace runs on stand-ins of the step's inputs: a batch read from a closure (here through a helper function)
+    # is a real tensor inside it; the error names it and says what to do, and no parameter moved
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    x, y = _mlp_batch()
+
+    def loss_of():
+        return F.mse_loss(model(x), y)
+
+    def body():
+        loss = loss_of()
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    with pytest.raises(forge.ForgeCaptureError, match=r"reads a tensor \(loss_of: x, loss_of: y\).*Pass it to the step "
+                                                      r"as an argument"):
+        forge.compile_train_step(body, models=[model])()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
+
+
 @pytest.mark.parametrize("where", ["pre", "post", "global_post"])
 def test_optimizer_step_hooks_are_refused_before_anything_changed(where):
     # opt.step() is traced as its updates only: the optimizer's step hooks were skipped silently (an EMA or logging

@@ -146,7 +146,7 @@ def test_per_launch_argument_after_the_scalars():
     assert lm.counters["built"] == 0 and lm.counters["unsupported"] == 1
 
 
-def test_lookup_without_advancing_leaves_the_scalar_states():
+def test_launch_remembered_leaves_the_scalar_states_to_the_caller():
     # a launch on one row block of a weight (wgrad_update_q8's blocked path): the next block's scalars must come from
     # the same step value, so the caller advances the scalar states once, after the last block
     rule, ep, w, states, sidx, hp = _setup()
@@ -158,9 +158,12 @@ def test_lookup_without_advancing_leaves_the_scalar_states():
     for _ in range(2):
         lm.remember(key, rule, _prepare_fn(kernel, w, x, ep, states, sidx, hp), ep, states, hp, sidx)
     step_before = states[sidx[0]].item()
-    assert lm.lookup(key, states, hp, advance=False) and lm.lookup(key, states, hp, advance=False)
+    got = [lm.launch_remembered(key, states, hp) for _ in range(2)]
     assert states[sidx[0]].item() == step_before
     assert kernel.launched[0][2:2 + n_scalars] == kernel.launched[1][2:2 + n_scalars]
+    # what the caller advances them to: the values one launch's lookup would have written
+    assert got[0][0][0] is states[sidx[0]] and list(got[0][1]) == host_scalars(ep, [states[sidx[0]]], hp)[1]
+    assert lm.lookup(key, states, hp) and states[sidx[0]].item() == got[0][1][0]
 
 
 def test_key_follows_pointer_shape_stride_dtype_and_kind():

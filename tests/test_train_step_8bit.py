@@ -526,20 +526,20 @@ def test_cuda_one_step_of_a_wide_mlp_moves_the_states_as_eager(monkeypatch, path
     opt, ropt = AdamW8bit(model.parameters(), lr=1e-3), AdamW8bit(ref.parameters(), lr=1e-3)
     x = torch.randn(2, 256, 2048, device="cuda")
 
-    def loss_of(m):
+    def loss_of(m, x):
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             return (m(x).float() - x).pow(2).mean()
 
-    @forge.compile_train_step(fuse=fuse)
-    def step():
-        loss = loss_of(model)
+    @forge.compile_train_step(fuse=fuse, models=[model])
+    def step(x):
+        loss = loss_of(model, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
-    step()
-    loss_of(ref).backward()
+    step(x)
+    loss_of(ref, x).backward()
     ropt.step()
     ropt.zero_grad()
     assert all(d.fused == fuse for d in step.last_report.rows), step.last_report

@@ -246,7 +246,8 @@ def test_cuda_repeated_launches_take_the_launch_memo_and_stay_the_spec(monkeypat
     from forge_compile.kernels.wgrad_update_q8 import reference_wgrad_update_q8
 
     monkeypatch.setattr(wq, "BLOCK_BYTES", 64 * 520 * 4)
-    monkeypatch.setitem(lm.ENABLED, 0, True)
+    # ENABLED is a one-item list (monkeypatch.setitem takes mappings only): on for this test, put back after it
+    monkeypatch.setattr(lm, "ENABLED", [True])
     lm.clear()
     rule, w, dy_t, x, states, hp = _case(kind, 200, 520, 300, wdtype, torch.bfloat16, "cuda")
     w_ref, st_ref = w.clone(), _to(states, "cuda")

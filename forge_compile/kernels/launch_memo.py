@@ -40,7 +40,7 @@ from .. import _compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_key", "lookup", "remember", "unused", "mark_unused", "counters", "clear", "ENABLED", "DIRECT",
+__all__ = ["launch_key", "lookup", "launch_remembered", "remember", "unused", "mark_unused", "counters", "clear", "ENABLED", "DIRECT",
            "LAST_ERROR"]
 
 # On unless FORGE_LAUNCH_MEMO=0; also switched off by an unexpected launcher failure. Tests/benchmarks flip it.
@@ -99,16 +99,29 @@ def launch_key(kind, rule, weight, dy_t, x, states, side_out) -> tuple:
             tuple(_tkey(s) if s.dim() else None for s in states), _tkey(side_out))
 
 
-def lookup(key: tuple, states, hparams, var: tuple = (), advance: bool = True) -> bool:
-    """Launch through a remembered entry; False (nothing done) when there is none. ``var``: the values of the
-    entry's per-launch arguments after the scalars (``remember(nvar=...)``). ``advance`` False: the scalar states
-    are left as they were (a launch on one row block of a weight: they advance once, after the last block)."""
-    if not ENABLED[0]:
+def lookup(key: tuple, states, hparams, var: tuple = ()) -> bool:
+    """Launch through a remembered entry and advance its scalar states; False (nothing done) when there is none.
+    ``var``: the values of the entry's per-launch arguments after the scalars (``remember(nvar=...)``)."""
+    done = launch_remembered(key, states, hparams, var)
+    if done is None:
         return False
+    # no_grad costs more than the fill itself; inside a backward (where the forge routes launch) grad is off
+    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+        for s, new in zip(*done):
+            s.fill_(new)
+    return True
+
+
+def launch_remembered(key: tuple, states, hparams, var: tuple = ()):
+    """``lookup`` without advancing the scalar states: ``(scalar states, their new values)`` for the caller to
+    advance, or None (no entry: nothing done). For launches on row blocks of one weight (wgrad_update_q8's blocked
+    path), whose scalars all come from the step's value before the update."""
+    if not ENABLED[0]:
+        return None
     entry = _ENTRIES.get(key)
     if entry is None or entry.nvar != len(var):
         counters["miss"] += 1
-        return False
+        return None
     if entry.ep is None:     # scalars read from a device table by the kernel: nothing to compute or advance
         scalar_states, scalars, new_scalar_states = (), (), ()
     else:
@@ -129,14 +142,9 @@ def lookup(key: tuple, states, hparams, var: tuple = (), advance: bool = True) -
         LAST_ERROR[0] = e
         log.warning("forge: fast launch path failed (%s: %s); using the full launch path from now on",
                     type(e).__name__, str(e)[:300])
-        return False
-    # no_grad costs more than the fill itself; inside a backward (where the forge routes launch) grad is off
-    if advance:
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            for s, new in zip(scalar_states, new_scalar_states):
-                s.fill_(new)
+        return None
     counters["hit"] += 1
-    return True
+    return scalar_states, new_scalar_states
 
 
 def _strip(a):

@@ -357,7 +357,7 @@ def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, g
     of host per launch -- per row block on the blocked path (the end-to-end 8-bit step was host-bound, RESULTS.md "8-bit
     states end to end"). The round keys, new at every step, are the memo's per-launch arguments after the scalars."""
     from . import launch_memo
-    from .wgrad_update_triton import fp32_dot_precision, host_scalars
+    from .wgrad_update_triton import fp32_dot_precision
 
     memo_key = None
     if (weight.is_cuda and config is None and launch_memo.ENABLED[0]
@@ -366,9 +366,9 @@ def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, g
         prec = "" if grad is not None else fp32_dot_precision(dy_t, x)
         memo_key = launch_memo.launch_key(("q8", off0, prec), rule, weight, dy_t, x, flat, grad)
         ekey, qkeys = _round_keys(weight, rule, key, salt)
-        if launch_memo.lookup(memo_key, states, hparams, (ekey, *qkeys), advance=False):
-            scalar_states = [states[i] for i in _scalar_idx(rule)]
-            return scalar_states, host_scalars(_kernel_for(rule, "cuda")[0], scalar_states, hparams)[1]
+        done = launch_memo.launch_remembered(memo_key, states, hparams, (ekey, *qkeys))
+        if done is not None:
+            return done
     kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
                                                             config, off0)
     kernel[grid](*args, **opts)
@@ -430,6 +430,11 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     new = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
+        if r1 - r0 == n:   # one block: the tensors themselves (a step launches per block; slicing costs host time)
+            g = _mm_fp32(dy_t, x) if block_grad is None else block_grad(0, n)
+            _, new_b = _launch(weight, None, None, states, hparams, rule, key, salt, g)
+            new = new_b
+            break
         g = _mm_fp32(dy_t[r0:r1], x) if block_grad is None else block_grad(r0, r1)
         block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
         _, new_b = _launch(weight[r0:r1], None, None, block_states, hparams, rule, key, salt, g, off0=r0 * k)
