@@ -618,10 +618,15 @@ def embedding_block_grad(grad_output, indices, num_rows: int, padding_idx: int =
     from .embedding_update import compact_rows
 
     rows, pos = compact_rows(grad_output, indices, num_rows, padding_idx)
+    # a zero row appended at index M stands for "no token here" (pos < 0): a block is then one gather and one cast,
+    # two launches per row block instead of six (a step launches these per block; host time, RESULTS.md "8-bit states
+    # end to end")
+    m = rows.shape[0]
+    table = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    idx = torch.where(pos >= 0, pos, m).long()
 
     def block(r0: int, r1: int) -> torch.Tensor:
-        p = pos[r0:r1].long()
-        return torch.where((p >= 0)[:, None], rows[p.clamp(min=0)].float(), 0.0)
+        return table.index_select(0, idx[r0:r1]).float()
     return block
 
 
