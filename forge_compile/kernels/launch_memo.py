@@ -40,8 +40,8 @@ from .. import _compat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch_key", "lookup", "launch_remembered", "remember", "unused", "mark_unused", "counters", "clear", "ENABLED", "DIRECT",
-           "LAST_ERROR"]
+__all__ = ["launch_key", "lookup", "launch_remembered", "remember", "unused", "mark_unused", "counters", "clear",
+           "ENABLED", "DIRECT", "LAST_ERROR"]
 
 # On unless FORGE_LAUNCH_MEMO=0; also switched off by an unexpected launcher failure. Tests/benchmarks flip it.
 ENABLED = [os.environ.get("FORGE_LAUNCH_MEMO", "1").strip() not in ("0", "false", "off", "no")]
