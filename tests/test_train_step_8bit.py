@@ -288,15 +288,19 @@ def test_interpreter_kernel_paths_are_the_eager_step(interpret, monkeypatch, pat
     # the Triton kernels (fused GEMM + 8-bit update, or the blocked path: mm per block of rows + the stored-dW
     # update), against the eager step's stored-dW kernel
     monkeypatch.setenv("FORGE_Q8_PATH", path)
-    batches = _batches(2)
-    model, ref = _model(), _model()
+    _kernel_path_is_the_eager_step(2, torch.float32, "cpu", f"interpreter, {path}")
+
+
+def _kernel_path_is_the_eager_step(n_steps, dtype, device, what):
+    batches = _batches(n_steps, dtype, device)
+    model, ref = _model(dtype, device), _model(dtype, device)
     opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
     step = _compiled(model, opt)
     for b in batches:
         step(*b)
     _eager(ref, ropt, batches)
     assert {d.name: d.fused for d in step.last_report.rows}["model.big.weight"]
-    _assert_8bit_param_equal(model, opt, ref, ropt, f"interpreter, {path}")
+    _assert_8bit_param_equal(model, opt, ref, ropt, what)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -305,15 +309,7 @@ def test_interpreter_kernel_paths_are_the_eager_step(interpret, monkeypatch, pat
 def test_cuda_the_compiled_step_is_the_eager_step(monkeypatch, path, dtype):
     if path:
         monkeypatch.setenv("FORGE_Q8_PATH", path)
-    batches = _batches(3, dtype, "cuda")
-    model, ref = _model(dtype, "cuda"), _model(dtype, "cuda")
-    opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
-    step = _compiled(model, opt)
-    for b in batches:
-        step(*b)
-    _eager(ref, ropt, batches)
-    assert {d.name: d.fused for d in step.last_report.rows}["model.big.weight"]
-    _assert_8bit_param_equal(model, opt, ref, ropt, f"cuda {dtype} {path or 'default'}")
+    _kernel_path_is_the_eager_step(3, dtype, "cuda", f"cuda {dtype} {path or 'default'}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

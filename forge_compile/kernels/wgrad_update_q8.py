@@ -52,7 +52,7 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "use_blocked", "dw_block_bytes", "wgrad_update_q8_cpu", "embedding_block_grad", "as_rows",
+           "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad", "as_rows",
            "update_from_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
 
@@ -426,7 +426,7 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     n, k = weight.shape
     if block_grad is None:
         _check_shapes(weight, dy_t, x)
-    rows = max(1, min(n, BLOCK_BYTES // (4 * k)))
+    rows = block_rows(n, k)
     new = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -457,8 +457,13 @@ def dw_block_bytes(n: int, k: int, rule: Rule, m: int, device_type: str) -> int:
     (CUDA, ``use_blocked``; the fused kernel none), of the CPU path (cache-sized) on CPU."""
     if device_type == "cuda" and not use_blocked(rule, m):
         return 0
-    limit = BLOCK_BYTES if device_type == "cuda" else CPU_BLOCK_BYTES
-    return min(n, max(1, limit // (4 * k))) * 4 * k
+    return block_rows(n, k, BLOCK_BYTES if device_type == "cuda" else CPU_BLOCK_BYTES) * 4 * k
+
+
+def block_rows(n: int, k: int, limit: int | None = None) -> int:
+    """Rows of an [n, k] weight's fp32 dW in one block of at most ``limit`` bytes (default ``BLOCK_BYTES``, read at
+    the call: tests shrink it), one row at least."""
+    return max(1, min(n, (BLOCK_BYTES if limit is None else limit) // (4 * k)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -479,7 +484,7 @@ def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: in
     n, k = weight.shape
     if grad is None and block_grad is None:
         _check_shapes(weight, dy_t, x)
-    rows = max(1, CPU_BLOCK_BYTES // (4 * k))
+    rows = block_rows(n, k, CPU_BLOCK_BYTES)
     tensor_idx = [i for i, _, _ in pairs]
     ekey = element_key(key, salt)
     qkeys = [q8_state.state_element_key(key, salt, i) for i in tensor_idx]

@@ -36,12 +36,20 @@ import torch
 
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
-from ..kernels.wgrad_update_q8 import as_rows, update_from_grad
+from ..kernels.wgrad_update_q8 import update_from_grad
 from .lion import Lion
 from .rule import Rule
 from .rules import adamw_rule, lion_rule
 
 __all__ = ["Rule8bitOptimizer", "AdamW8bit", "Lion8bit"]
+
+
+def q8_shapes(p: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The shapes of an 8-bit state of ``p``: codes [rows, k] (``as_rows``: the first dimension by the rest) and
+    scales [rows, ceil(k / 128)]."""
+    rows = p.shape[0] if p.dim() >= 2 else 1
+    k = p.numel() // max(rows, 1)
+    return (rows, k), (rows, -(-k // q8_state.BLOCK))
 
 
 class Rule8bitOptimizer(torch.optim.Optimizer):
@@ -113,8 +121,7 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
     def _init_state(self, p, group, rule):
         state = self.state[p]
         big = self.is_8bit(p, group)
-        n, k = as_rows(p).shape
-        nb = -(-k // q8_state.BLOCK)
+        (n, k), (_, nb) = q8_shapes(p)
         for i, name in enumerate(rule.states):
             if rule.is_scalar_state(i):
                 state[name] = torch.tensor(0.0)

@@ -445,11 +445,11 @@ def _expected_state(plan: ParamPlan, name: str):
     p, cpu = plan.param, torch.device("cpu")
     if name in plan.rule.scalar_states or name == "q8_count":
         return (), torch.float32, cpu
-    if name.endswith("_codes"):
-        return (p.shape[0], p.numel() // max(p.shape[0], 1)) if p.dim() >= 2 else (1, p.numel()), torch.uint8, p.device
-    if name.endswith("_scales"):
-        rows, k = _expected_state(plan, name[: -len("_scales")] + "_codes")[0]
-        return (rows, -(-k // 128)), torch.float32, p.device
+    if name.endswith("_codes") or name.endswith("_scales"):
+        from .optimizer8bit import q8_shapes
+
+        codes, scales = q8_shapes(p)
+        return (codes, torch.uint8, p.device) if name.endswith("_codes") else (scales, torch.float32, p.device)
     return p.shape, p.dtype, p.device
 
 

@@ -592,13 +592,13 @@ def _q8_how(match: _Match, w, rule: str, how: str) -> tuple[str, int]:
     """A fused 8-bit update's report text, and the dW bytes it holds at once: on CUDA the blocked path's row block
     (kernels/wgrad_update_q8.use_blocked; an embedding's always); the CPU paths' cache-sized blocks are working
     memory, as the fp32 CPU path's (wgrad_update_cpu)."""
-    from ..kernels.wgrad_update_q8 import BLOCK_BYTES, dw_block_bytes
+    from ..kernels.wgrad_update_q8 import block_rows, dw_block_bytes
     from ..report import _fmt_bytes   # report imports this module
 
     cuda = w.device.type == "cuda"
     if match.embedding:
         n, k = w.shape
-        held = min(n, max(1, BLOCK_BYTES // (4 * k))) * 4 * k if cuda else 0
+        held = block_rows(n, k) * 4 * k if cuda else 0
         # (the fp32 path's "no dense gradient" is not this one's: the dense rows exist a block at a time)
         how = how.replace("embedding: gradient rows of the tokens seen, no dense gradient",
                           "embedding: its dense gradient made a row block at a time from the tokens' rows")
@@ -1108,39 +1108,28 @@ def _insert_wgrad_update(graph: fx.Graph, match: _Match, anchor: fx.Node, operan
     rounding = round_args(match.apply)
     op = torch.ops.forge.wgrad_update_.default if rounding is None else _ROUNDED
     rounding = () if rounding is None else tuple(rounding)
-    if operands is not None:
-        with graph.inserting_after(anchor):
-            fused = graph.call_function(op, (weight, *operands, states, hparams, rule, *rounding))
-        fused.meta["forge"] = "wgrad_update"
-        return
-    a, b = match.mm.args
-    with graph.inserting_after(anchor):
-        if match.transposed:
-            dy_t = graph.call_function(aten.t.default, (b,))
-            with graph.inserting_after(dy_t):
-                x = graph.call_function(aten.t.default, (a,))
-        else:
-            dy_t, x = a, b
-        last = x if match.transposed else anchor
-        kwargs = {}
-        if match.emb is not None:
-            kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
-                          emb_padding_idx=match.emb.args[3])
-        with graph.inserting_after(last):
-            fused = graph.call_function(op, (weight, dy_t, x, states, hparams, rule, *rounding), kwargs)
-    for n in (dy_t, x, fused):
-        if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
-            n.meta["forge"] = "wgrad_update"
+    kwargs = {}
+    if match.emb is not None and operands is None:
+        kwargs = dict(emb_grad_output=match.emb.args[0], emb_indices=match.emb.args[1],
+                      emb_padding_idx=match.emb.args[3])
+    _insert_fused(graph, match, anchor, operands, op, weight, (states, hparams, rule, *rounding), kwargs)
 
 
 def _insert_wgrad_update_q8(graph: fx.Graph, match: _Match, anchor: fx.Node, operands=None) -> None:
     """``forge::wgrad_update_q8_`` after ``anchor``, its dy_t / x from the matmul's operands (accumulated passes: the
     concatenated ``operands``) and the rest of ``apply_rule_q8_``'s arguments."""
     weight, _, codes, scales, scalars, hparams, rule, key, salt = match.apply.args[:9]
-    op = torch.ops.forge.wgrad_update_q8_.default
+    _insert_fused(graph, match, anchor, operands, torch.ops.forge.wgrad_update_q8_.default, weight,
+                  (codes, scales, scalars, hparams, rule, key, salt))
+
+
+def _insert_fused(graph: fx.Graph, match: _Match, anchor: fx.Node, operands, op, weight, rest: tuple,
+                  kwargs=None) -> None:
+    """``op(weight, dy_t, x, *rest, **kwargs)`` after ``anchor``: dy_t / x the matmul's operands (transposed back
+    where the matmul computed dW^T), or the concatenated ``operands`` of accumulated passes."""
     if operands is not None:
         with graph.inserting_after(anchor):
-            fused = graph.call_function(op, (weight, *operands, codes, scales, scalars, hparams, rule, key, salt))
+            fused = graph.call_function(op, (weight, *operands, *rest))
         fused.meta["forge"] = "wgrad_update"
         return
     a, b = match.mm.args
@@ -1152,7 +1141,7 @@ def _insert_wgrad_update_q8(graph: fx.Graph, match: _Match, anchor: fx.Node, ope
         else:
             dy_t, x = a, b
         with graph.inserting_after(x if match.transposed else anchor):
-            fused = graph.call_function(op, (weight, dy_t, x, codes, scales, scalars, hparams, rule, key, salt))
+            fused = graph.call_function(op, (weight, dy_t, x, *rest), kwargs or {})
     for n in (dy_t, x, fused):
         if isinstance(n, fx.Node) and n.op == "call_function" and n is not a and n is not b:
             n.meta["forge"] = "wgrad_update"
