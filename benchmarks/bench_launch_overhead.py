@@ -141,17 +141,65 @@ def q8_rows(a, n, k, m) -> dict:
     return rows
 
 
+def profile_q8(a, n, k, m) -> None:
+    """cProfile (host) and torch.profiler (ops) of the 8-bit blocked op, memo on: what its host time goes to beyond
+    the fused op's (stop 44: ~80 us more per call, where cuBLAS mm + torch._fused_adamw_ take 31 us together)."""
+    import cProfile
+    import io
+    import pstats
+
+    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state
+
+    rule, w, dy_t, x, states, hp = make_inputs("adamw", torch.bfloat16, n, k, m)
+    step = torch.tensor(10.0)
+    pairs = [empty_q8_state(w) for _ in range(2)]
+    codes, scales = [c for c, _ in pairs], [sc for _, sc in pairs]
+    key = torch.tensor(12345)
+    op = torch.ops.forge.wgrad_update_q8_.default
+    out = []
+    for path in ("blocked", "fused"):
+        os.environ["FORGE_Q8_PATH"] = path
+
+        def call():
+            op(w, dy_t, x, codes, scales, [step], hp, rule.name, key, 3)
+            step.fill_(10.0)
+        us = per_call_us(call, a.calls, lambda: None)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.calls):
+            call()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+            for _ in range(200):
+                call()
+            torch.cuda.synchronize()
+        ops = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        out.append(f"===== {path}: {us:.1f} us/call ({a.calls} calls)\n{buf.getvalue()}\n--- ops, 200 calls\n{ops}\n")
+    os.environ.pop("FORGE_Q8_PATH", None)
+    text = "\n".join(out)
+    with open(os.path.join(a.out, "q8_profile.txt"), "w") as f:
+        f.write(text)
+    print(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--layers", type=int, default=57, help="layers of the op_cycle rows (the full preset has 57)")
+    ap.add_argument("--profile-q8", action="store_true", help="only profile the 8-bit op: DIR/q8_profile.txt")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return
     n = k = 256
     m = 64
+    if a.profile_q8:
+        profile_q8(a, n, k, m)
+        return
     # the kernel benchmark's inputs and unfused baseline (cuBLAS wgrad + torch._fused_adamw_), at a tiny shape
     rule, w, dy_t, x, states, hp = make_inputs("adamw", torch.bfloat16, n, k, m)
     step = states[0]
