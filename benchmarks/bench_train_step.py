@@ -18,6 +18,8 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
             memory and speed of 8-bit states without forge's capture
   step_8bit (only with --routes) step with forge.optim.AdamW8bit: the 8-bit states' updates fused with their weight
             gradients (forge::wgrad_update_q8_)
+  step_graphs_8bit (only with --routes) step_8bit with cuda_graphs=True: the 8-bit updates read their scalars and
+            rounding keys from the scalar table (forge::*_q8_table_), the step replayed as one CUDA graph
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
@@ -87,18 +89,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gpu_power import PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
-ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_8bit", "step_cast", "step_graphs",
-          "step_graphs_group",
+ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_8bit", "step_graphs_8bit",
+          "step_cast", "step_graphs", "step_graphs_group",
           "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
           "step_graphs_cast_pdl", "backend", "backend_graphs", "backend_graphs_group",
           "backend_graphs_pdl")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_8bit", "step_cast", "step_graphs", "step_graphs_group", "step_graphs_pdl",
+STEP_ROUTES = ("step", "step_8bit", "step_graphs_8bit", "step_cast", "step_graphs", "step_graphs_group",
+               "step_graphs_pdl",
                "step_graphs_recompute",
                "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",   # replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "step_graphs_8bit", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",   # replayed CUDA graphs
                 "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl", "baseline_graphs",
                 "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
@@ -207,7 +210,7 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
     """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
     unless forge raises UnsupportedOptimizerError for it); forge's eager AdamW8bit (8-bit moments) for
     baseline_8bit. Returns (optimizer, fused flag, note)."""
-    if route in ("baseline_8bit", "step_8bit"):
+    if route in ("baseline_8bit", "step_8bit", "step_graphs_8bit"):
         from forge_compile.optim import AdamW8bit
 
         return (AdamW8bit(decay_groups(model), lr=lr, betas=(0.9, 0.95), eps=1e-8), False,

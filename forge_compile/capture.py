@@ -43,6 +43,7 @@ from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_ta
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
 from .kernels.stochastic_round import element_key, round_key, round_key_t
+from .kernels.wgrad_update_q8 import row_keys
 from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates, stochastic_rounding_note
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -270,6 +271,7 @@ class _Compiled:
     table_plans: tuple = ()
     table_scaled: frozenset = frozenset()  # rows of fused updates that clip: filled for grad_scaled_rule(rule)
     table_rounds: dict = dataclasses.field(default_factory=dict)   # row -> salt of the rounded updates' rows
+    table_q8: dict = dataclasses.field(default_factory=dict)   # row -> (salt, bf16 weight) of 8-bit updates' rows
     casts: tuple = ()        # cast_weights_in_update: (parameter index, dtype) of each copy input, in input order
     grads_in: tuple = ()     # parameter indices whose incoming .grad the step reads (its last inputs)
     grads_cleared: tuple = ()    # parameter indices whose incoming .grad the step drops (zero_grad() first)
@@ -628,20 +630,18 @@ class CompiledTrainStep:
         ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
         replayed as a graph and runs as without cuda_graphs. ``n_casts``: weight-copy placeholders between the
         hyper-parameters and the step's tensor arguments (cast_weights_in_update)."""
-        if any(is_8bit_optimizer(opt) for opt, _ in plans):
-            # their rounding keys are computed in the graph from CPU step counts, which a replay would not advance
-            why = "a Rule8bitOptimizer's updates compute their rounding keys from CPU step counts"
-            report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {why}")
-            log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", why)
-            return None
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        plan_of, scalar_inputs = {}, set()
+        plan_of, scalar_inputs, counts = {}, set(), set()
         pos = first_state
         for i, ((_, pl), ss) in enumerate(zip(plans, states)):
             for j in range(len(ss)):
                 plan_of[placeholders[pos]] = i
-                if pl.rule.is_scalar_state(j):
+                # by name: a Rule8bitOptimizer's states are its codes, scales, scalar states and q8_count
+                name = pl.state_names[j]
+                if name in pl.rule.scalar_states or name == "q8_count":
                     scalar_inputs.add(placeholders[pos])
+                if name == "q8_count":
+                    counts.add(placeholders[pos])
                 pos += 1
         for i, hh in enumerate(hparams):
             for _ in hh:
@@ -656,24 +656,30 @@ class CompiledTrainStep:
         # the placeholders after the hyper-parameters (and weight copies) are the step's tensor arguments
         labels = dict(names)
         labels.update((ph, f"the step's tensor argument {j}") for j, ph in enumerate(placeholders[pos:]))
-        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]), labels)
+        blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]), labels,
+                                       frozenset(counts))
         if blocker is not None:
             report.notes.append(f"cuda_graphs: the step is not replayed as a CUDA graph: {blocker}")
             log.warning("forge: cuda_graphs: the step is not replayed as a CUDA graph: %s", blocker)
             return None
         scaled_rows: set = set()
         round_rows: dict = {}
-        table_plans, width = use_scalar_table(gm, plan_of, scaled_rows, round_rows)
+        q8_rows: dict = {}
+        table_plans, width = use_scalar_table(gm, plan_of, scaled_rows, round_rows, q8_rows, frozenset(counts))
         report.notes.append(f"cuda_graphs: replayed as one CUDA graph; {len(table_plans)} updates read their "
                             "step-dependent scalars from a device table written before each replay")
         if round_rows:
             report.notes.append(f"cuda_graphs: {len(round_rows)} stochastically rounded updates read their step's "
                                 "random key from their table row (new bits at every replay)")
+        if q8_rows:
+            report.notes.append(f"cuda_graphs: {len(q8_rows)} updates with 8-bit states read their step's rounding "
+                                "keys from their table row (round_key of their own count, advanced before each "
+                                "replay)")
         if scaled_rows:
             report.notes.append(f"cuda_graphs: {len(scaled_rows)} fused updates read their gradient factor "
                                 "(clip_grad_norm_'s coefficient, data parallel's 1/world) from their table row, "
                                 "written there on the device by the step")
-        return table_plans, width, frozenset(scaled_rows), round_rows
+        return table_plans, width, frozenset(scaled_rows), round_rows, q8_rows
 
     def _prepare(self):
         modules, optimizers = self._targets()
@@ -829,12 +835,7 @@ class CompiledTrainStep:
         if entry.graph is None:
             outs = entry.fn(*flat)
         else:
-            rounds = entry.table_rounds
-            fill_table(entry.table, [
-                ((grad_scaled_rule(plans[i][1].rule), states[i], list(hparams[i]) + [_ONE64])
-                 if r in entry.table_scaled else (plans[i][1].rule, states[i], hparams[i]))
-                + ((element_key(key, rounds[r]),) if r in rounds else ())
-                for r, i in enumerate(entry.table_plans)])
+            fill_table(entry.table, self._table_items(entry, plans, states, hparams, key))
             outs = entry.graph(flat + [entry.table])
         flush_step_mirrors()
         if entry.casts:
@@ -847,6 +848,35 @@ class CompiledTrainStep:
         for opt in optimizers:
             _compat.mark_optimizer_stepped(opt)
         return pytree.tree_unflatten(outs[:entry.n_user_out], entry.out_spec)
+
+    @staticmethod
+    def _table_items(entry, plans, states, hparams, key) -> list:
+        """fill_table's rows for one call: each row's plan's rule, states in the rule's order, hyper-parameters and
+        round keys -- the step's ``key`` for a rounded update, a Rule8bitOptimizer's parameter's own
+        (round_key(its group's seed, its count), read before the count advances: its eager step's); such a
+        parameter's ``q8_count`` advances here (the replayed graph no longer does)."""
+        rounds, q8 = entry.table_rounds, entry.table_q8
+        items, advance = [], []
+        for r, i in enumerate(entry.table_plans):
+            opt, pl = plans[i]
+            ss, hh, k = states[i], hparams[i], key
+            if is_8bit_optimizer(opt):
+                inputs, count = pl.q8_inputs(ss)
+                it = iter(inputs[2] if pl.q8 else [s for j, s in enumerate(inputs) if pl.rule.is_scalar_state(j)])
+                ss = [next(it) if pl.rule.is_scalar_state(j) else None for j in range(len(pl.rule.states))]
+                k = round_key(int(opt.param_groups[pl.group_index]["seed"]), int(count))
+                if "q8_count" in pl.state_names:
+                    advance.append(count)
+            item = ((grad_scaled_rule(pl.rule), ss, list(hh) + [_ONE64]) if r in entry.table_scaled
+                    else (pl.rule, ss, hh))
+            if r in q8:
+                item += (row_keys(pl.rule, k, q8[r][0], q8[r][1]),)
+            elif r in rounds:
+                item += (element_key(k, rounds[r]),)
+            items.append(item)
+        for c in advance:
+            c.add_(1)
+        return items
 
     def _compile(self, key, gm, report, out_info, walk, pre, arg_tensors):
         """Inductor-compile a built step graph into the cache entry for ``key``."""
@@ -867,7 +897,7 @@ class CompiledTrainStep:
         if out_info["table"] is None:
             gm = _decompose_remaining_updates(gm, flat)
         else:    # every update reads the table: nothing left to decompose
-            table_plans, width, scaled_rows, round_rows = out_info["table"]
+            table_plans, width, scaled_rows, round_rows, q8_rows = out_info["table"]
             table = torch.zeros((len(table_plans), width), dtype=torch.float32, device=walk.params[0].device)
         _compat.reset_reinplace_counters()
         # the user's Inductor options first, forge's required settings over them; buffers freed at their last
@@ -915,6 +945,7 @@ class CompiledTrainStep:
             entry.table, entry.table_plans = table, tuple(table_plans)
             entry.table_scaled = scaled_rows
             entry.table_rounds = round_rows
+            entry.table_q8 = q8_rows
         self._cache[key] = entry
         self.compile_count += 1
         counters["compiles"] += 1

@@ -226,7 +226,28 @@ def test_accumulated_passes_are_fused_with_8bit_states():
     _assert_8bit_param_equal(model, opt, ref, ropt, "accumulated")
 
 
-def test_cuda_graphs_decline_with_a_reason():
+def test_cuda_graphs_read_the_8bit_keys_from_the_table(tmp_path):
+    # cuda_graphs=True: the 8-bit updates become forge::*_q8_table_ ops whose rows hold their rounding keys; the
+    # graph's key computations (round_key of the CPU counts) and q8_count advances are gone: the runtime does them
+    from forge_compile import step_graph as sg
+
+    model = _model()
+    opt = _make_opt("sgd_momentum", model.parameters())      # no step: the q8_count advances
+    step = _compiled(model, opt, cuda_graphs=True, dump_dir=str(tmp_path))
+    sg.GRAPH_DEVICE[0] = "cpu"      # judged as if CPU work could be replayed (no GPU here); explain runs nothing
+    try:
+        notes = " ".join(step.explain(*_batches(1)[0]).notes)
+    finally:
+        sg.GRAPH_DEVICE[0] = "cuda"
+    assert "replayed as one CUDA graph" in notes and "2 updates with 8-bit states" not in notes, notes
+    assert "1 updates with 8-bit states read their step's rounding keys" in notes, notes
+    code = next(tmp_path.glob("*rewritten.py")).read_text()
+    assert "forge.wgrad_update_q8_table_(" in code and "forge.wgrad_update_q8_(" not in code, code
+    assert "add_(" not in code and "bitwise_xor" not in code, code
+    assert float(opt.state[model.big.weight].get("q8_count", 0.0)) == 0.0      # explain advances nothing
+
+
+def test_cuda_graphs_on_a_cpu_step_decline_with_the_reason():
     model, ref = _model(), _model()
     opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
     step = _compiled(model, opt, cuda_graphs=True)
@@ -234,9 +255,52 @@ def test_cuda_graphs_decline_with_a_reason():
     for b in batches:
         step(*b)
     _eager(ref, ropt, batches)
-    assert any("not replayed as a CUDA graph" in n and "Rule8bitOptimizer" in n for n in step.last_report.notes), \
+    assert any("not replayed as a CUDA graph" in n and "is on cpu" in n for n in step.last_report.notes), \
         step.last_report.notes
     _assert_8bit_param_equal(model, opt, ref, ropt, "cuda_graphs=True, not replayed")
+
+
+def _replayed_step_is_the_eager_step(which, dtype, device, what, n_steps=4):
+    # two warm-up calls, a capture, replays (on CPU the recorder re-runs the step), each reading a table row that
+    # the runtime wrote before the call: bitwise the eager optimizer on the 8-bit weight, its counts advanced
+    from forge_compile import step_graph as sg
+
+    batches = _batches(n_steps, dtype, device)
+    model, ref = _model(dtype, device), _model(dtype, device)
+    opt, ropt = _make_opt(which, model.parameters()), _make_opt(which, ref.parameters())
+    step = _compiled(model, opt, cuda_graphs=True)
+    sg.counters.clear()
+    for b in batches:
+        step(*b)
+    _eager(ref, ropt, batches)
+    assert sg.counters.get("replays") == n_steps - 2, (dict(sg.counters), step.last_report.notes)
+    assert any("updates with 8-bit states read their step's rounding keys" in n for n in step.last_report.notes)
+    _assert_8bit_param_equal(model, opt, ref, ropt, what)
+    _assert_small_params_close(model, ref, dtype)
+    count = "q8_count" if which == "sgd_momentum" else "step"
+    assert float(opt.state[model.big.weight][count]) == n_steps
+
+
+@pytest.mark.parametrize("which,dtype", [("adamw", torch.float32), ("sgd_momentum", torch.bfloat16)])
+def test_interpreter_replayed_8bit_step_is_the_eager_step(interpret, which, dtype):
+    from forge_compile import step_graph as sg
+    from models import rerun_recorder
+
+    sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cpu", rerun_recorder
+    try:
+        _replayed_step_is_the_eager_step(which, dtype, "cpu", f"interpreter, replayed, {which} {dtype}")
+    finally:
+        sg.GRAPH_DEVICE[0], sg.RECORDER[0] = "cuda", sg.cuda_graph_recorder
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("which,dtype,path", [
+    ("adamw", torch.float32, ""), ("adamw", torch.bfloat16, ""), ("adamw", torch.float32, "fused"),
+    ("lion", torch.bfloat16, "blocked"), ("sgd_momentum", torch.float32, "")])
+def test_cuda_replayed_8bit_step_is_the_eager_step(monkeypatch, which, dtype, path):
+    if path:
+        monkeypatch.setenv("FORGE_Q8_PATH", path)
+    _replayed_step_is_the_eager_step(which, dtype, "cuda", f"cuda graph, {which} {dtype} {path or 'default'}", 5)
 
 
 @pytest.mark.parametrize("which", ["adamw", "lion"])
@@ -430,7 +494,7 @@ def _embedding_model(device="cpu"):
 def _embedding_step_is_the_eager_step(route="step", device="cpu"):
     # forge::embedding_update_q8_: the dense gradient one row block at a time from the tokens' compact rows (each
     # row bitwise autograd's), so the update is the eager step's on the dense gradient, bit for bit
-    batches = _embedding_batches(3, device)
+    batches = _embedding_batches(4 if route == "graphs" else 3, device)
     model, ref = _embedding_model(device), _embedding_model(device)
     opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
 
@@ -448,7 +512,7 @@ def _embedding_step_is_the_eager_step(route="step", device="cpu"):
             opt.zero_grad()
         row = backend.last_report().rows[0]
     else:
-        @forge.compile_train_step(fuse=route == "step")
+        @forge.compile_train_step(fuse=route != "step_unfused", cuda_graphs=route == "graphs")
         def step(idx, c):
             loss = loss_of(model, idx, c)
             loss.backward()
@@ -458,6 +522,8 @@ def _embedding_step_is_the_eager_step(route="step", device="cpu"):
         for b in batches:
             step(*b)
         row = step.last_report.rows[0]
+        if route == "graphs":
+            assert any("replayed as one CUDA graph" in n for n in step.last_report.notes), step.last_report.notes
     for idx, c in batches:
         loss_of(ref, idx, c).backward()
         ropt.step()
@@ -478,6 +544,12 @@ def test_an_embedding_with_8bit_states_is_the_eager_step(route):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_an_embedding_with_8bit_states_is_the_eager_step():
     _embedding_step_is_the_eager_step(device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_a_replayed_embedding_with_8bit_states_is_the_eager_step():
+    # forge::embedding_update_q8_table_ in a CUDA graph: compact rows and row blocks of static shapes, no host sync
+    _embedding_step_is_the_eager_step("graphs", device="cuda")
 
 
 def test_interpreter_an_embedding_with_8bit_states_is_the_eager_step(interpret):

@@ -24,6 +24,18 @@ Arguments: weight [N, K] fp32 or bf16 contiguous; dy_t [N, M], x [M, K] (any str
 [N, ceil(K / 128)] contiguous --, a scalar state (Adam's step) a 0-dim fp32 CPU tensor; hparams 0-dim float64 CPU
 tensors. All updated in place.
 
+Scalar table (``table=``, the forge::*_q8_table_ ops): the kernel reads every value that changes per step from one
+fp32 row on the weight's device instead of taking it as a launch argument, so a CUDA graph that captured the launches
+replays them with whatever the row holds (passes/scalar_table.py rewrites the row before each replay). The row
+(``table_row``; ``table_width`` words at least -- a table shared by several rules is as wide as the widest):
+    words 0 .. n-1      the rule's kernel scalars (wgrad_update_triton.rule_scalars for the kernel's target,
+                        n = its epilogue's n_kernel_scalars)
+    word n              the bf16 weight's element key (0, unused, for an fp32 weight)
+    words n+1 .. n+t    each tensor state's key, in the rule's order of its tensor states
+keys as their int32 bit patterns (``row_keys``: the host launch's keys). Such a launch is bitwise the host-scalar
+launch of the same scalar states, hparams and keys; it takes the tensor states alone and advances nothing (whoever
+fills the row advances the scalar states).
+
 Tiles: BLOCK_K is a multiple of 128 (the column chunk of the epilogue, BLOCK_K / EPI_SPLIT, too) so every tile holds
 whole blocks of each row and a block's new absmax is a reduction inside the program. This is the first version:
 the plain Triton schedule (GEMM loop, then the epilogue), no TMA and no warp specialization. Measured (H100, stop 42,
@@ -44,7 +56,7 @@ import torch
 from .. import _compat
 from ..optim.rule import Rule, get_rule
 from . import q8_state
-from .epilogue_codegen import Epilogue, compile_epilogue, load_kernel_module, triton_fields, TRITON_RULE_HEAD
+from .epilogue_codegen import Epilogue, compile_epilogue, key_load, load_kernel_module, triton_fields, TRITON_RULE_HEAD
 from .stochastic_round import TRITON_SROUND, element_key
 from .wgrad_norm import SQNORM_BLOCK_BYTES, _mm_fp32
 from .wgrad_update import _check_shapes
@@ -54,7 +66,8 @@ from .wgrad_update_triton import TRITON_DW_TILE
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
            "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad", "as_rows",
            "update_from_grad",
-           "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source"]
+           "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source", "table_width", "row_keys",
+           "table_row", "check_q8_table"]
 
 
 def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: int, salt: int, grad=None):
@@ -66,26 +79,36 @@ def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: 
     return g
 
 
-def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int, salt: int, grad=None,
-                    block_grad=None) -> None:
+def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int | None = None, salt: int | None = None,
+                    grad=None, block_grad=None, table=None) -> None:
     """The update (the module docstring): on CUDA tensors (or on CPU ones under the interpreter, FORGE_TRITON_CPU=1)
     the blocked path or the fused kernel (``use_blocked``), else the CPU path -- the same function, bitwise, on each
     device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of rows r0..r1 made on demand (an embedding's,
-    from its compact rows), for the blocked paths."""
+    from its compact rows), for the blocked paths. ``key``, ``salt``: the step's round key and the parameter's salt.
+
+    ``table``: the scalar-table update (the module docstring's row): ``states`` are then the tensor states alone --
+    (codes, scales) pairs in the rule's order of its tensor states --, ``hparams`` is empty, ``key`` and ``salt``
+    are not used (the keys are the row's), and nothing is advanced. CUDA (or the interpreter) only: it is the update
+    a CUDA graph captures, and the CPU path has no kernel to read a row."""
     from .wgrad_update import triton_on_cpu
 
     r = get_rule(rule)
+    triton = weight.is_cuda or triton_on_cpu()
+    if table is not None and not triton:
+        raise RuntimeError("forge: an 8-bit update with a scalar table runs on CUDA tensors (on CPU only under "
+                           "Triton's interpreter, FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
     if block_grad is not None:
-        if weight.is_cuda or triton_on_cpu():
-            wgrad_update_q8_blocked(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
+        if triton:
+            wgrad_update_q8_blocked(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad,
+                                    table=table)
         else:
             wgrad_update_q8_cpu(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
         return
-    if weight.is_cuda or triton_on_cpu():
+    if triton:
         if grad is None and use_blocked(r, x.shape[0]) and x.shape[0] > 0:
-            wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt)
+            wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt, table=table)
         else:
-            launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
+            launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad, table=table)
     else:
         wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, r, key=key, salt=salt, grad=grad)
 
@@ -146,17 +169,16 @@ def _update(g, W, {q8_ptrs}EKEY, {qkey_params}{scalar_params}N, K, NB, OFF0, row
 {state_stores}
 
 
-# the keys never specialized: a key of 1 would become a constexpr. They follow the host scalars: the per-step
-# arguments are one run, as launch_memo splices them (remember(nvar=...))
-@triton.jit(do_not_specialize=["EKEY", "OFF0", {qkey_names}])
+{kernel_comment}
+@triton.jit(do_not_specialize=[{do_not_specialize}])
 def wgrad_update_q8_kernel(
-    W, DYT, X, G, {q8_ptrs}{kernel_scalar_params}EKEY, {qkey_params}N, K, M, NB, OFF0,
+    W, DYT, X, G, {q8_ptrs}{kernel_scalar_params}{kernel_key_params}N, K, M, NB, OFF0,
     stride_dn, stride_dm, stride_xm, stride_xk, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_M: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, FROM_GRAD: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
 ):
-    tl.static_assert((BLOCK_K // EPI_SPLIT) % 128 == 0)
+{scalar_loads}{key_loads}    tl.static_assert((BLOCK_K // EPI_SPLIT) % 128 == 0)
     row0, col0 = _tile_origin(N, K, BLOCK_N, BLOCK_K, GROUP_N)
     if FROM_GRAD:
         # the unfused update: dW read from G (fp32 [N, K], row stride stride_gn)
@@ -181,17 +203,38 @@ def wgrad_update_q8_kernel(
 '''
 
 
-def render_kernel_source(ep: Epilogue) -> str:
+# the host-scalar kernel's head; the table kernel's (_TABLE_HEAD) takes none of these arguments
+_HOST_HEAD = """\
+# the keys never specialized: a key of 1 would become a constexpr. They follow the host scalars: the per-step
+# arguments are one run, as launch_memo splices them (remember(nvar=...))"""
+_TABLE_HEAD = """\
+# every per-step value is a word of the row SCAL (the module docstring's layout), none an argument: a CUDA graph
+# replays the arguments. OFF0 and SCAL not specialized: one compile for every row block and for every row of a table
+# (a row's alignment depends on its index; its scalar loads gain nothing from it)"""
+
+
+def render_kernel_source(ep: Epilogue, table: bool = False) -> str:
     """The kernel module for one rule's epilogue: each tensor state ``s`` is a pair of pointers ``S_C`` (codes),
-    ``S_S`` (scales) and a key ``QKEY_S``."""
+    ``S_S`` (scales) and a key ``QKEY_S``. ``table``: the rule's scalars, ``EKEY`` and the ``QKEY_S`` are loaded from
+    the row ``SCAL`` at the kernel's start (the module docstring's layout) instead of taken as arguments."""
     states = ep.tensor_inputs[2:]
     new_vars = [f"new_{v}" for v in states]
     up = [s.upper() for s in states]
+    qkey_params = "".join(f"QKEY_{u}, " for u in up)
+    n = ep.n_kernel_scalars
+    if table:
+        head = dict(kernel_comment=_TABLE_HEAD, do_not_specialize='"OFF0", "SCAL"', kernel_key_params="",
+                    key_loads=key_load("SCAL", n) + "".join(
+                        f"    QKEY_{u} = tl.load(SCAL + {n + 1 + j}).to(tl.int32, bitcast=True)\n"
+                        for j, u in enumerate(up)))
+    else:
+        head = dict(kernel_comment=_HOST_HEAD,
+                    do_not_specialize='"EKEY", "OFF0", ' + ", ".join(f'"QKEY_{u}"' for u in up),
+                    kernel_key_params="EKEY, " + qkey_params, key_loads="")
     return _TEMPLATE.format(
-        **triton_fields(ep, False, "SCAL"), module="wgrad_update_q8",
+        **triton_fields(ep, table, "SCAL"), module="wgrad_update_q8", **head,
         q8_ptrs="".join(f"{u}_C, {u}_S, " for u in up),
-        qkey_params="".join(f"QKEY_{u}, " for u in up),
-        qkey_names=", ".join(f'"QKEY_{u}"' for u in up),
+        qkey_params=qkey_params,
         state_loads="\n".join(f"    {s} = _ld_state({u}_C, {u}_S, off, soff, mask, smask, BN, BK)"
                               for s, u in zip(states, up)),
         state_stores="\n".join(f"    _st_state({u}_C, {u}_S, {v}, off, hoff, soff, mask, smask, QKEY_{u}, BN, BK)"
@@ -199,16 +242,16 @@ def render_kernel_source(ep: Epilogue) -> str:
     )
 
 
-_KERNELS: dict[tuple[str, str], tuple[Epilogue, object]] = {}
+_KERNELS: dict[tuple[str, str, bool], tuple[Epilogue, object]] = {}
 _KLOCK = threading.Lock()
 
 
-def _kernel_for(rule: Rule, target: str):
-    key = (rule.name, target)
+def _kernel_for(rule: Rule, target: str, table: bool = False):
+    key = (rule.name, target, table)
     hit = _KERNELS.get(key)
     if hit is None:
         ep = compile_epilogue(rule, target)
-        mod = load_kernel_module(render_kernel_source(ep), ep.source_key + "_q8")
+        mod = load_kernel_module(render_kernel_source(ep, table), ep.source_key + ("_q8_table" if table else "_q8"))
         hit = (ep, mod.wgrad_update_q8_kernel)
         with _KLOCK:
             _KERNELS.setdefault(key, hit)
@@ -270,14 +313,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def check_q8_states(weight, rule: Rule, states) -> tuple[list, list]:
-    """(tensor states as (codes, scales) pairs, scalar states), checked."""
-    if len(states) != len(rule.states):
+def _target(weight) -> str:
+    return "cuda" if weight.is_cuda else "interpret"
+
+
+def _tensor_idx(rule: Rule) -> list[int]:
+    return [i for i in range(len(rule.states)) if not rule.is_scalar_state(i)]
+
+
+def check_q8_states(weight, rule: Rule, states, table: bool = False) -> tuple[list, list]:
+    """(tensor states as (index in ``rule.states``, codes, scales), scalar states), checked. ``table`` (a launch with
+    a scalar table): ``states`` are the tensor states alone, in the rule's order of its tensor states."""
+    if table:
+        idx = _tensor_idx(rule)
+        if len(states) != len(idx):
+            raise ValueError(f"forge: rule {rule.name!r} with a scalar table takes its {len(idx)} tensor states "
+                             f"((codes, scales) pairs, no scalar states), got {len(states)}")
+        items = list(zip(idx, states))
+    elif len(states) != len(rule.states):
         raise ValueError(f"forge: rule {rule.name!r} takes {len(rule.states)} states, got {len(states)}")
+    else:
+        items = list(enumerate(states))
     n, k = weight.shape
     nb = -(-k // q8_state.BLOCK)
     pairs, scalars = [], []
-    for i, s in enumerate(states):
+    for i, s in items:
         if rule.is_scalar_state(i):
             scalars.append(s)
             continue
@@ -298,16 +358,71 @@ def check_q8_states(weight, rule: Rule, states) -> tuple[list, list]:
     return pairs, scalars
 
 
-def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config, off0: int = 0):
+def table_width(rule: Rule, target: str = "cuda") -> int:
+    """Words of a scalar-table row of ``rule``'s 8-bit update on ``target`` ("cuda" or "interpret", whose kernel
+    scalars may differ in number): the kernel scalars, the weight's element key, each tensor state's key."""
+    return compile_epilogue(rule, target).n_kernel_scalars + 1 + len(_tensor_idx(rule))
+
+
+def row_keys(rule: Rule, key: int, salt: int, rounded_weight: bool) -> list[int]:
+    """The row's key words (after the kernel scalars) of a step ``key`` and a parameter ``salt``: the weight's
+    element key (``rounded_weight``: a bf16 weight; else 0), then each tensor state's -- the host launch's keys."""
+    if key is None or salt is None:
+        raise TypeError("forge: an 8-bit update without a scalar table takes the step's round key and the "
+                        "parameter's salt (key=, salt=)")
+    return [element_key(key, salt) if rounded_weight else 0,
+            *[q8_state.state_element_key(key, salt, i) for i in _tensor_idx(rule)]]
+
+
+def table_row(rule: Rule, scalar_states, hparams, key: int, salt: int, rounded_weight: bool, target: str = "cuda",
+              width: int = 0) -> torch.Tensor:
+    """The scalar-table row (fp32, CPU, ``max(width, table_width)`` words) of one update: ``rule_scalars``' values
+    for ``target`` from the scalar states (in the rule's order of its scalar states; not advanced) and hparams, then
+    ``row_keys``, zeros after. Keys are written through an int32 view, never as floats: most keys are NaN or
+    denormal patterns as floats, which a float round trip would not keep (stochastic_round.table_row)."""
+    from .wgrad_update_triton import rule_scalars
+
+    values, _ = rule_scalars(rule, list(scalar_states), list(hparams), target)
+    keys = row_keys(rule, key, salt, rounded_weight)
+    n = len(values)
+    row = torch.zeros(max(width, n + len(keys)), dtype=torch.float32)
+    row[:n] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    row.view(torch.int32)[n:n + len(keys)] = torch.tensor(keys, dtype=torch.int32)
+    return row
+
+
+def check_q8_table(ep: Epilogue, rule: Rule, table, weight) -> None:
+    """A scalar-table row (the module docstring's layout) for ``rule``'s kernel of ``ep``'s target: a contiguous 1-D
+    fp32 tensor on the weight's device, ``table_width`` words at least."""
+    need = ep.n_kernel_scalars + 1 + len(_tensor_idx(rule))
+    if (not isinstance(table, torch.Tensor) or table.dtype != torch.float32 or table.dim() != 1
+            or table.numel() < need or table.stride(0) != 1 or table.device != weight.device):
+        got = (f"{table.dtype} {list(table.shape)} with strides {list(table.stride())} on {table.device}"
+               if isinstance(table, torch.Tensor) else type(table).__name__)
+        raise ValueError(f"forge: rule {rule.name!r} with 8-bit states reads {ep.n_kernel_scalars} fp32 scalars, "
+                         f"the weight's key and {need - ep.n_kernel_scalars - 1} state keys ({need} words) from a "
+                         f"contiguous 1-D fp32 tensor on {weight.device} (wgrad_update_q8.table_row), got {got}")
+
+
+def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config, off0: int = 0,
+             table=None):
     from .wgrad_update_triton import fp32_dot_precision, host_scalars
 
     n, k = weight.shape
-    pairs, scalar_states = check_q8_states(weight, rule, states)
+    pairs, scalar_states = check_q8_states(weight, rule, states, table is not None)
     interpret = not weight.is_cuda
     if interpret and not _interpreting():
         raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
-    ep, kernel = _kernel_for(rule, "interpret" if interpret else "cuda")
-    scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
+    ep, kernel = _kernel_for(rule, _target(weight), table is not None)
+    if table is None:
+        scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
+        keys = row_keys(rule, key, salt, weight.dtype == torch.bfloat16)
+    else:
+        if len(hparams):
+            raise ValueError("forge: an 8-bit update with a scalar table takes no hyper-parameters (they are in "
+                             "the table)")
+        check_q8_table(ep, rule, table, weight)
+        scalars, new_scalar_states, keys = [table], [], ()
     if grad is not None:
         if grad.dtype != torch.float32 or grad.shape != weight.shape or grad.stride(1) != 1:
             raise ValueError("forge: grad must be an fp32 [N, K] tensor with unit column stride")
@@ -327,10 +442,9 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
     cfg = CONFIGS[config or pick_config(n, k, m, interpret, len(pairs), grad is not None)]
     if cfg.bk % (128 * cfg.split):
         raise ValueError(f"forge: config {config!r}: BLOCK_K / EPI_SPLIT must be a multiple of 128")
-    ekey, qkeys = _round_keys(weight, rule, key, salt)
     grid = (-(-n // cfg.bn) * -(-k // cfg.bk),)
     gmat = grad if grad is not None else weight
-    args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], *scalars, ekey, *qkeys,
+    args = (weight, dy_t, x, gmat, *[t for _, c, sc in pairs for t in (c, sc)], *scalars, *keys,
             n, k, m, -(-k // q8_state.BLOCK), off0, dy_t.stride(0), dy_t.stride(1), x.stride(0), x.stride(1),
             gmat.stride(0))
     opts = dict(BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, BLOCK_M=cfg.bm, GROUP_N=cfg.group, EVEN_M=(m % cfg.bm == 0),
@@ -343,24 +457,27 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
 
 def _round_keys(weight, rule: Rule, key: int, salt: int) -> tuple[int, list[int]]:
     """The launch's per-step arguments: the weight's rounding key (0 for an fp32 weight) and each tensor state's."""
-    ekey = element_key(key, salt) if weight.dtype == torch.bfloat16 else 0
-    return ekey, [q8_state.state_element_key(key, salt, i) for i in range(len(rule.states))
-                  if not rule.is_scalar_state(i)]
+    ekey, *qkeys = row_keys(rule, key, salt, weight.dtype == torch.bfloat16)
+    return ekey, qkeys
 
 
-def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config=None, off0: int = 0):
+def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config=None, off0: int = 0,
+            table=None):
     """One kernel launch; returns (the scalar states, their values after the update): advancing them is the caller's,
-    once per update after its last launch (a blocked update launches once per row block).
+    once per update after its last launch (a blocked update launches once per row block). A launch with a ``table``
+    has none.
 
     A CUDA launch whose tensors (pointers, shapes, strides, dtypes) repeat an earlier one's goes through launch_memo:
     a step launches the same layers on the same buffers, and Triton's JIT dispatch plus ``_prepare`` cost tens of us
     of host per launch -- per row block on the blocked path (the end-to-end 8-bit step was host-bound, RESULTS.md "8-bit
-    states end to end"). The round keys, new at every step, are the memo's per-launch arguments after the scalars."""
+    states end to end"). The round keys, new at every step, are the memo's per-launch arguments after the scalars.
+    A table launch is not remembered: the memo splices host scalars and keys, which it has none of, and it is the
+    launch a CUDA graph captures -- replays spend no host time on it."""
     from . import launch_memo
     from .wgrad_update_triton import fp32_dot_precision
 
     memo_key = None
-    if (weight.is_cuda and config is None and launch_memo.ENABLED[0]
+    if (table is None and weight.is_cuda and config is None and launch_memo.ENABLED[0]
             and (grad is not None or x.shape[0] > 0)):   # M == 0 launches on temporaries (see _prepare)
         flat = [t for st in states for t in (st if isinstance(st, (tuple, list)) else (st,))]
         prec = "" if grad is not None else fp32_dot_precision(dy_t, x)
@@ -370,7 +487,7 @@ def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, g
         if done is not None:
             return done
     kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
-                                                            config, off0)
+                                                            config, off0, table)
     kernel[grid](*args, **opts)
     if memo_key is not None:
         launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
@@ -390,18 +507,20 @@ def _advance(scalar_states, new) -> None:
             s.fill_(v)
 
 
-def launch_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
-                           config: str | None = None) -> None:
+def launch_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: Rule, *, key: int | None = None,
+                           salt: int | None = None, grad=None, config: str | None = None, table=None) -> None:
     """One fused update with 8-bit states (the module docstring); ``grad`` given: the update of that stored dW
-    (dy_t and x unused), as the unfused baseline and for parameters whose dW is not a GEMM's."""
-    _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, grad, config))
+    (dy_t and x unused), as the unfused baseline and for parameters whose dW is not a GEMM's. ``table``: the
+    scalar-table launch (``wgrad_update_q8``'s convention: tensor states alone, no hparams, no key/salt)."""
+    _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, grad, config, table=table))
 
 
-def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int, grad=None,
-                 config: str | None = None):
+def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int | None = None, salt: int | None = None,
+                 grad=None, config: str | None = None, table=None):
     """(benchmarks) A zero-argument callable that launches the kernel alone, host part done once; scalar states are
     NOT advanced by it."""
-    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config)
+    kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config,
+                                              table=table)
     return lambda: kernel[grid](*args, **opts)
 
 
@@ -414,30 +533,36 @@ def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt
 BLOCK_BYTES = SQNORM_BLOCK_BYTES
 
 
-def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int, salt: int,
-                            block_grad=None) -> None:
+def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key: int | None = None,
+                            salt: int | None = None, block_grad=None, table=None) -> None:
     """The same update (bitwise the spec, as the fused kernel) as blocks of whole rows: dW of ``BLOCK_BYTES`` at
     most by torch.mm (cuBLAS on CUDA), then the kernel's stored-dW update of those rows, the rounding bits from the
     rows' element indices in the parameter (OFF0). Why: measured on an H100 (stop 42, RESULTS.md "8-bit block-wise
     states" v2) the fused 8-bit kernel is slower than cuBLAS + the stored-dW update for two-state rules at every M
     (AdamW 4096x4096: 0.190 vs 0.142 ms at M = 256, 0.962 vs 0.492 at 8192); this keeps dW bounded (FORGE's memory
-    point) at the unfused step's speed. Scalar states advance once, after the last block."""
-    pairs, scalar_states = check_q8_states(weight, rule, states)
+    point) at the unfused step's speed. Scalar states advance once, after the last block. ``table``: every block's
+    launch reads the one row (``wgrad_update_q8``'s convention), nothing advances."""
+    pairs, scalar_states = check_q8_states(weight, rule, states, table is not None)
     n, k = weight.shape
     if block_grad is None:
         _check_shapes(weight, dy_t, x)
+    if table is not None:
+        # before the first block's GEMM, as the single launch refuses it before writing anything
+        check_q8_table(compile_epilogue(rule, _target(weight)), rule, table, weight)
     rows = block_rows(n, k)
     new = None
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         if r1 - r0 == n:   # one block: the tensors themselves (a step launches per block; slicing costs host time)
             g = _mm_fp32(dy_t, x) if block_grad is None else block_grad(0, n)
-            _, new_b = _launch(weight, None, None, states, hparams, rule, key, salt, g)
+            _, new_b = _launch(weight, None, None, states, hparams, rule, key, salt, g, table=table)
             new = new_b
             break
         g = _mm_fp32(dy_t[r0:r1], x) if block_grad is None else block_grad(r0, r1)
-        block_states = [s if rule.is_scalar_state(i) else (s[0][r0:r1], s[1][r0:r1]) for i, s in enumerate(states)]
-        _, new_b = _launch(weight[r0:r1], None, None, block_states, hparams, rule, key, salt, g, off0=r0 * k)
+        # a tensor state is a (codes, scales) pair, a scalar state a tensor (check_q8_states)
+        block_states = [(s[0][r0:r1], s[1][r0:r1]) if isinstance(s, (tuple, list)) else s for s in states]
+        _, new_b = _launch(weight[r0:r1], None, None, block_states, hparams, rule, key, salt, g, off0=r0 * k,
+                           table=table)
         new = new if new is not None else new_b
     _advance(scalar_states, new or [])
 
@@ -485,9 +610,7 @@ def wgrad_update_q8_cpu(weight, dy_t, x, states, hparams, rule: Rule, *, key: in
     if grad is None and block_grad is None:
         _check_shapes(weight, dy_t, x)
     rows = block_rows(n, k, CPU_BLOCK_BYTES)
-    tensor_idx = [i for i, _, _ in pairs]
-    ekey = element_key(key, salt)
-    qkeys = [q8_state.state_element_key(key, salt, i) for i in tensor_idx]
+    ekey, *qkeys = row_keys(rule, key, salt, weight.dtype == torch.bfloat16)
     xf = x.float() if grad is None and block_grad is None else None
     new_scalars = None
     with torch.no_grad():
@@ -547,10 +670,13 @@ def _op_states(op: str, rule: str, codes, scales, scalar_states) -> list:
         raise ValueError(f"forge::{op}: rule {rule!r} takes {n_tensor} (codes, scales) pairs and "
                          f"{len(r.states) - n_tensor} scalar states, got {len(codes)}, {len(scales)}, "
                          f"{len(scalar_states)}")
+    return _states(r, _e4m3(codes), scales, scalar_states)
+
+
+def _e4m3(codes) -> list:
     # codes may arrive as the optimizer state's uint8 (a checkpoint's dtype; graph inputs keep it): the kernels read
     # them as e4m3, a free view
-    codes = [c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c for c in codes]
-    return _states(r, codes, scales, scalar_states)
+    return [c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c for c in codes]
 
 
 def wgrad_update_q8_(weight, dy_t, x, codes, scales, scalar_states, hparams, rule, round_key, round_salt, grad=None):
@@ -585,11 +711,13 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1) if t.dim() >= 2 else t.view(1, -1)
 
 
-def update_from_grad(param, grad, states, hparams, rule: str, *, key: int, salt: int) -> None:
+def update_from_grad(param, grad, states, hparams, rule: str, *, key: int | None = None, salt: int | None = None,
+                     table=None) -> None:
     """The 8-bit update of a parameter of any shape from its stored gradient: the eager optimizer's step
-    (optim/optimizer8bit.py) and forge::apply_rule_q8_'s implementation."""
+    (optim/optimizer8bit.py) and forge::apply_rule_q8_'s implementation (``table``: forge::apply_rule_q8_table_'s,
+    ``wgrad_update_q8``'s convention)."""
     wgrad_update_q8(as_rows(param), None, None, states, hparams, rule, key=key, salt=salt,
-                    grad=as_rows(grad.contiguous()).float())
+                    grad=as_rows(grad.contiguous()).float(), table=table)
 
 
 def apply_rule_q8_(param, grad, codes, scales, scalar_states, hparams, rule, round_key, round_salt):
@@ -649,4 +777,76 @@ _LIB.impl("embedding_update_q8_", embedding_update_q8_, "CompositeExplicitAutogr
 @torch.library.register_fake("forge::embedding_update_q8_", lib=_LIB)
 def _(weight, grad_output, indices, codes, scales, scalar_states, hparams, rule, round_key, round_salt,
       padding_idx=-1):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the scalar-table ops: forge::wgrad_update_q8_table_, forge::apply_rule_q8_table_, forge::embedding_update_q8_table_
+# -- the three updates above with every per-step value (the rule's scalars, the weight's and the states' round keys)
+# read from a row of an fp32 device table (the module docstring's layout) instead of host scalars, so that a step
+# with 8-bit states can be captured as a CUDA graph and replayed with the row rewritten (passes/scalar_table.py).
+# Not cudagraph_unsafe: no launch argument depends on the step. No scalar states and no hyper-parameters: whoever
+# fills the row computes the scalars from them and advances the scalar states.
+
+_LIB.define(
+    "wgrad_update_q8_table_(Tensor(a!) weight, Tensor dy_t, Tensor x, Tensor(b!)[] codes, Tensor(c!)[] scales, "
+    "Tensor table, str rule, Tensor? grad=None) -> ()")
+_LIB.define(
+    "apply_rule_q8_table_(Tensor(a!) param, Tensor grad, Tensor(b!)[] codes, Tensor(c!)[] scales, Tensor table, "
+    "str rule) -> ()")
+_LIB.define(
+    "embedding_update_q8_table_(Tensor(a!) weight, Tensor grad_output, Tensor indices, Tensor(b!)[] codes, "
+    "Tensor(c!)[] scales, Tensor table, str rule, int padding_idx=-1) -> ()")
+
+
+def _table_op_states(op: str, rule: str, weight, codes, scales) -> list:
+    """The tensor states of a table op as (codes, scales) pairs, checked against the rule; refused off CUDA."""
+    from .wgrad_update import triton_on_cpu
+
+    if not weight.is_cuda and not triton_on_cpu():
+        raise RuntimeError(f"forge::{op} runs on CUDA tensors (on CPU only under Triton's interpreter, "
+                           "FORGE_TRITON_CPU=1 with TRITON_INTERPRET=1)")
+    n_tensor = len(_tensor_idx(get_rule(rule)))
+    if len(codes) != n_tensor or len(scales) != n_tensor:
+        raise ValueError(f"forge::{op}: rule {rule!r} takes {n_tensor} (codes, scales) pairs (its scalar states "
+                         f"are the table's), got {len(codes)} codes and {len(scales)} scales")
+    return list(zip(_e4m3(codes), scales))
+
+
+def wgrad_update_q8_table_(weight, dy_t, x, codes, scales, table, rule, grad=None):
+    states = _table_op_states("wgrad_update_q8_table_", rule, weight, codes, scales)
+    wgrad_update_q8(weight, dy_t, x, states, [], rule, grad=grad, table=table)
+    torch.autograd.graph.increment_version([weight, *codes, *scales])
+
+
+def apply_rule_q8_table_(param, grad, codes, scales, table, rule):
+    states = _table_op_states("apply_rule_q8_table_", rule, param, codes, scales)
+    update_from_grad(param, grad, states, [], rule, table=table)
+    torch.autograd.graph.increment_version([param, *codes, *scales])
+
+
+def embedding_update_q8_table_(weight, grad_output, indices, codes, scales, table, rule, padding_idx=-1):
+    states = _table_op_states("embedding_update_q8_table_", rule, weight, codes, scales)
+    block = embedding_block_grad(grad_output, indices, weight.shape[0], padding_idx)
+    wgrad_update_q8(weight, None, None, states, [], rule, block_grad=block, table=table)
+    torch.autograd.graph.increment_version([weight, *codes, *scales])
+
+
+_LIB.impl("wgrad_update_q8_table_", wgrad_update_q8_table_, "CompositeExplicitAutograd")
+_LIB.impl("apply_rule_q8_table_", apply_rule_q8_table_, "CompositeExplicitAutograd")
+_LIB.impl("embedding_update_q8_table_", embedding_update_q8_table_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge::wgrad_update_q8_table_", lib=_LIB)
+def _(weight, dy_t, x, codes, scales, table, rule, grad=None):
+    return None
+
+
+@torch.library.register_fake("forge::apply_rule_q8_table_", lib=_LIB)
+def _(param, grad, codes, scales, table, rule):
+    return None
+
+
+@torch.library.register_fake("forge::embedding_update_q8_table_", lib=_LIB)
+def _(weight, grad_output, indices, codes, scales, table, rule, padding_idx=-1):
     return None
