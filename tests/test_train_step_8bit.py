@@ -226,7 +226,7 @@ def test_accumulated_passes_are_fused_with_8bit_states():
     _assert_8bit_param_equal(model, opt, ref, ropt, "accumulated")
 
 
-def test_cuda_graphs_read_the_8bit_keys_from_the_table(tmp_path):
+def test_a_graphed_step_reads_the_8bit_keys_from_the_table(tmp_path):
     # cuda_graphs=True: the 8-bit updates become forge::*_q8_table_ ops whose rows hold their rounding keys; the
     # graph's key computations (round_key of the CPU counts) and q8_count advances are gone: the runtime does them
     from forge_compile import step_graph as sg
@@ -247,7 +247,7 @@ def test_cuda_graphs_read_the_8bit_keys_from_the_table(tmp_path):
     assert float(opt.state[model.big.weight].get("q8_count", 0.0)) == 0.0      # explain advances nothing
 
 
-def test_cuda_graphs_on_a_cpu_step_decline_with_the_reason():
+def test_a_graphed_cpu_step_declines_with_the_reason():
     model, ref = _model(), _model()
     opt, ropt = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
     step = _compiled(model, opt, cuda_graphs=True)
