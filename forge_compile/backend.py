@@ -58,7 +58,7 @@ from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .kernels.stochastic_round import element_key, round_key
 from .kernels.wgrad_update import triton_on_cpu
-from .kernels.wgrad_update_triton import split_states
+from .kernels.wgrad_update_q8 import row_keys
 from .passes.scalar_table import fill_table, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import (flush_step_mirrors, hparam_values, is_8bit_optimizer, plan_optimizer,
@@ -415,8 +415,10 @@ class _Extras:
     def __init__(self, opt, entries, table=None, seed=None, key_input=False, own_keys=False):
         self.opt = opt
         # ``own_keys``: a Rule8bitOptimizer's parameter takes its rounding key after its hyper-parameters,
-        # round_key(its group's seed, its count: ``step``, else ``q8_count``, which advances after the update)
+        # round_key(its group's seed, its count: ``step``, else ``q8_count``, which advances after the update) --
+        # with a table, in its row instead (table_q8: row -> (salt, bf16 weight) of the 8-bit updates)
         self.own_keys = own_keys
+        self.table_q8 = {}
         # stochastic rounding (``seed``): with ``key_input`` a 0-dim int64 key tensor appended last, filled before
         # each backward; with a table the rounded rows hold their element keys instead (table_rounds: row -> salt)
         self.seed = seed
@@ -429,7 +431,7 @@ class _Extras:
         # table itself (fp32 on the parameters' device)
         self.table_rows = self.table = None
         if table is not None:
-            plans, width, self.table_rounds = table
+            plans, width, self.table_rounds, self.table_q8 = table
             by_plan = {id(e.plan): e for e in self.entries}
             self.table_rows = [by_plan[id(pl)] for pl in plans]
             self.table = torch.zeros((len(plans), width), dtype=torch.float32, device=plans[0].param.device)
@@ -440,7 +442,7 @@ class _Extras:
         for e in self.entries:
             out.append(e.current_param())
             if e.with_states and self.table is not None:
-                out.extend(split_states(e.rule, e.states)[0])
+                out.extend(e.plan.table_tensor_states(e.states))
             elif e.with_states:
                 out.extend(e.states)
                 out.extend(e.hparams.tensors)
@@ -448,11 +450,7 @@ class _Extras:
                     out.append(self._own_key(e))
         if self.table is not None:
             # the scalars as a normal launch would get them; the scalar states advance here
-            rounds = self.table_rounds
-            key = round_key(self.seed, _tracker(self.opt).steps) if rounds else None
-            fill_table(self.table, [(e.rule, e.states, e.hparams.tensors)
-                                    + ((element_key(key, rounds[r]),) if r in rounds else ())
-                                    for r, e in enumerate(self.table_rows)])
+            fill_table(self.table, self._table_items())
             out.append(self.table)
         if self.key is not None:
             self.key.fill_(round_key(self.seed, _tracker(self.opt).steps))
@@ -461,9 +459,29 @@ class _Extras:
 
 
     def _own_key(self, e) -> torch.Tensor:
+        return torch.tensor(self._own_round_key(e), dtype=torch.int64)
+
+    def _own_round_key(self, e) -> int:
         count = e.plan.q8_inputs(e.states)[1]
         seed = self.opt.param_groups[e.plan.group_index]["seed"]
-        return torch.tensor(round_key(int(seed), int(count)), dtype=torch.int64)
+        return round_key(int(seed), int(count))
+
+    def _table_items(self) -> list:
+        """fill_table's rows: each fused plan's rule, scalar states (in the rule's order), hyper-parameters and round
+        keys -- stochastic_rounding's step key, or a Rule8bitOptimizer parameter's own (read before its count
+        advances: after the backward, ``after_update``)."""
+        rounds, q8 = self.table_rounds, self.table_q8
+        key = round_key(self.seed, _tracker(self.opt).steps) if rounds and not self.own_keys else None
+        items = []
+        for r, e in enumerate(self.table_rows):
+            k = self._own_round_key(e) if self.own_keys and (r in q8 or r in rounds) else key
+            item = (e.rule, e.plan.rule_scalar_states(e.states), e.hparams.tensors)
+            if r in q8:
+                item += (row_keys(e.rule, k, *q8[r]),)
+            elif r in rounds:
+                item += (element_key(k, rounds[r]),)
+            items.append(item)
+        return items
 
     def after_update(self) -> None:
         """A fused backward ran: the ``q8_count`` of each such parameter advances, as its eager step does."""
@@ -610,15 +628,14 @@ class _Compilation:
         self.plans = {}
         self.salts = {}     # stochastic rounding: a parameter's index in the optimizer salts its bits (as route 1's)
         # a Rule8bitOptimizer (AdamW8bit): each update's rounding key is round_key(its group's seed, its own count),
-        # appended per parameter at every backward (_Extras); its bf16 parameters round with those keys, never with
-        # stochastic_rounding's; no scalar table (the keys and counts are host values)
+        # appended per parameter at every backward (_Extras) -- with a scalar table, written into its row; its bf16
+        # parameters round with those keys, never with stochastic_rounding's
         self.q8 = optimizer is not None and is_8bit_optimizer(optimizer)
         if self.q8:
             if sr_seed is not None:
                 log.info("forge backend: stochastic_rounding does not apply to %s: it rounds its bf16 parameters "
                          "with its own keys", type(optimizer).__name__)
             self.sr_seed = sr_seed = None
-            self.scalar_table = False
         if optimizer is not None:
             for salt, pl in enumerate(plan_optimizer(optimizer)):      # raises UnsupportedOptimizerError up front
                 self.plans[id(pl.param)] = pl
@@ -786,12 +803,15 @@ class _Compilation:
             table, table_note, grouped_note = None, None, None
             if self.scalar_table and any(i not in unfused for i, _ in cands):
                 if all(pl.param.is_cuda for i, pl in cands if i not in unfused) or triton_on_cpu():
-                    table = self._use_table(gm, cands, unfused, ph_of)
+                    table = self._use_table(gm, cands, unfused, ph_of, key_of)
                     table_note = ("scalar_table: the fused updates read their step-dependent scalars from a device "
                                   "table written before each backward (the backward can be a CUDA graph)")
                     if table[2]:
                         table_note += (f"; {len(table[2])} stochastically rounded updates read their step's random "
                                        "key from their row")
+                    if table[3]:
+                        table_note += (f"; {len(table[3])} updates with 8-bit states read their rounding keys from "
+                                       "their row")
                     if key_ph is not None and not key_ph.users:     # the rows hold the keys now
                         graph.erase_node(key_ph)
                         key_ph = None
@@ -841,18 +861,25 @@ class _Compilation:
         return self._finish(gm, list(example_inputs) + extra_fakes, compile_fx_inner, kwargs, captured,
                             report, runtime, roles)
 
-    def _use_table(self, gm, cands, unfused, ph_of):
+    def _use_table(self, gm, cands, unfused, ph_of, key_of):
         """scalar_table: the fused updates read their scalars from one table placeholder appended last; returns
         (the fused plans in row order, the table's width, row -> salt of the stochastically rounded updates, whose
-        rows also hold their step's element key). Their scalar-state and hyper-parameter placeholders go away."""
+        rows also hold their step's element key, row -> (salt, bf16 weight) of the updates with 8-bit states, whose
+        rows hold their keys). Their scalar-state, hyper-parameter and own-key placeholders go away (``key_of``
+        loses the keys)."""
         index = dict(cands)
         plan_of = {n: i for i in index if i not in unfused for n in ph_of[i][1] + ph_of[i][2]}
         round_rows: dict = {}
-        rows, width = use_scalar_table(gm, plan_of, round_rows=round_rows)
+        q8_rows: dict = {}
+        rows, width = use_scalar_table(gm, plan_of, round_rows=round_rows, q8_rows=q8_rows)
         for n in plan_of:
             if not n.users:      # the scalar states and hyper-parameters: the table replaces them
                 gm.graph.erase_node(n)
-        return [index[i] for i in rows], width, round_rows
+        for i, n in list(key_of.items()):
+            if i not in unfused and not n.users:    # a Rule8bitOptimizer parameter's own key: in its row now
+                gm.graph.erase_node(n)
+                del key_of[i]
+        return [index[i] for i in rows], width, round_rows, q8_rows
 
     def _finish(self, gm, example_inputs, compile_fx_inner, kwargs, captured, report, runtime, roles=None):
         directory = _dump_dir(self.dump_dir)

@@ -861,9 +861,8 @@ class CompiledTrainStep:
             opt, pl = plans[i]
             ss, hh, k = states[i], hparams[i], key
             if is_8bit_optimizer(opt):
-                inputs, count = pl.q8_inputs(ss)
-                it = iter(inputs[2] if pl.q8 else [s for j, s in enumerate(inputs) if pl.rule.is_scalar_state(j)])
-                ss = [next(it) if pl.rule.is_scalar_state(j) else None for j in range(len(pl.rule.states))]
+                count = pl.q8_inputs(ss)[1]
+                ss = pl.rule_scalar_states(ss)
                 k = round_key(int(opt.param_groups[pl.group_index]["seed"]), int(count))
                 if "q8_count" in pl.state_names:
                     advance.append(count)

@@ -327,6 +327,41 @@ def test_the_dynamo_route_is_the_eager_step(which):
     assert float(opt.state[model.big.weight]["step"]) == 3.0      # (Lion's rule counts its steps too)
 
 
+def _dynamo_route_with_a_table_is_the_eager_step(which, dtype, device, options):
+    # scalar_table: the 8-bit updates in the backward read their scalars and keys from the table's rows, which the
+    # runtime fills before each backward from each parameter's own count (read before the count advances)
+    from forge_compile import backend
+
+    batches = _batches(3, dtype, device)
+    model, ref = _model(dtype, device), _model(dtype, device)
+    opt, ropt = _make_opt(which, model.parameters()), _make_opt(which, ref.parameters())
+    cm = torch.compile(model, backend="forge", options={"optimizer": opt, **options})
+    backend.clear_reports()
+    for x, c1, c2 in batches:
+        _loss(cm, x, c1, c2).backward()
+        opt.step()
+        opt.zero_grad()
+    _eager(ref, ropt, batches)
+    notes = " ".join(backend.last_report().notes)
+    assert "1 updates with 8-bit states read their rounding keys from their row" in notes, notes
+    _assert_8bit_param_equal(model, opt, ref, ropt, f"backend, scalar table, {which} {dtype}")
+    _assert_small_params_close(model, ref, dtype)
+    count = "q8_count" if which == "sgd_momentum" else "step"
+    assert float(opt.state[model.big.weight][count]) == 3.0
+
+
+@pytest.mark.parametrize("which,dtype", [("adamw", torch.float32), ("sgd_momentum", torch.bfloat16)])
+def test_interpreter_the_dynamo_route_with_a_scalar_table_is_the_eager_step(interpret, which, dtype):
+    _dynamo_route_with_a_table_is_the_eager_step(which, dtype, "cpu", {"scalar_table": True})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("which,dtype", [("adamw", torch.bfloat16), ("sgd_momentum", torch.float32)])
+def test_cuda_the_dynamo_route_with_cuda_graphs_is_the_eager_step(which, dtype):
+    # triton.cudagraphs turns the scalar table on: Inductor's CUDA graphs replay the backward with the 8-bit updates
+    _dynamo_route_with_a_table_is_the_eager_step(which, dtype, "cuda", {"triton.cudagraphs": True})
+
+
 def test_the_dynamo_route_counts_a_rule_without_a_step():
     # SGD-momentum's rule has no step: the 8-bit weight's q8_count advances once per fused backward
     batches = _batches(2)

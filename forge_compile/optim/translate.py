@@ -65,6 +65,25 @@ class ParamPlan:
         return (pick(lambda n: n.endswith("_codes")), pick(lambda n: n.endswith("_scales")),
                 pick(lambda n: n in self.rule.scalar_states)), count
 
+    def rule_scalar_states(self, states) -> list:
+        """``states`` (``prepare_states``' list) as the rule's states in order with None for each tensor state: what
+        a scalar-table row is filled from (passes/scalar_table.fill_table), whatever the layout (a Rule8bitOptimizer
+        parameter's codes, scales and q8_count differ from the rule's)."""
+        if self.names is None:
+            return [s if self.rule.is_scalar_state(i) else None for i, s in enumerate(states)]
+        scalars = iter([s for n, s in zip(self.names, states) if n in self.rule.scalar_states])
+        return [next(scalars) if self.rule.is_scalar_state(i) else None for i in range(len(self.rule.states))]
+
+    def table_tensor_states(self, states) -> list:
+        """The tensor states a scalar-table update takes, in the graph's order: the rule's, or an 8-bit parameter's
+        codes and scales (``<name>_codes``, ``<name>_scales`` per tensor state)."""
+        if self.names is None:
+            return [s for i, s in enumerate(states) if not self.rule.is_scalar_state(i)]
+        if self.q8:
+            return [s for n, s in zip(self.names, states) if n.endswith(("_codes", "_scales"))]
+        return [s for n, s in zip(self.names, states) if n in self.rule.states and n not in self.rule.scalar_states]
+
+
 
 # -- per optimizer: the group's rule, its state, its hyper-parameters ----------------------------------
 
