@@ -96,7 +96,8 @@ def _referenced(fn) -> dict:
 
 def _foreign_tensors(fn, params, buffers) -> str:
     """' (NAMES)': the tensors that ``fn`` -- or a function it names -- reads from its closure or globals and that are
-    not among ``params`` / ``buffers`` (the step's inputs lifted from its modules); '' when none is found that way."""
+    not among ``params`` / ``buffers`` (the step's inputs lifted from its modules) and require grad (the others are
+    inputs too: _tensor_holders); '' when none is found that way."""
     own = {id(t) for t in (*params, *buffers)}
     names, seen = [], set()
     todo = [("", fn)]
@@ -110,11 +111,85 @@ def _foreign_tensors(fn, params, buffers) -> str:
         except (AttributeError, TypeError):   # a builtin or a callable object without code
             continue
         for name, obj in refs.items():
-            if isinstance(obj, torch.Tensor) and id(obj) not in own:
+            if isinstance(obj, torch.Tensor) and id(obj) not in own and obj.requires_grad:   # others are lifted
                 names.append(f"{prefix}{name}")
             elif inspect.isfunction(obj) and len(seen) < 32:
                 todo.append((f"{obj.__name__}: ", obj))
     return f" ({', '.join(sorted(set(names)))})" if names else ""
+
+
+# the kwargs entry under which the tensors the step reads from its closure and globals travel as its inputs
+_LIFTED = "__forge_closure_tensors__"
+
+
+def _tensor_holders(fn, own_ids) -> tuple[list, list]:
+    """Where ``fn`` -- or a function it names, recursively -- reads a tensor by name from its closure or globals, as
+    ``(lifted, own)`` lists of holders, a holder ``(cell, None)`` or ``(globals dict, name)``: ``own`` hold a
+    parameter or buffer of the step's modules (``own_ids``: the trace reads their stand-ins there too), ``lifted``
+    any other tensor that does not require grad (it becomes an input of the step, read at every call); a tensor
+    that requires grad is left where it is (the trace then names it: a leaf the step would train without an
+    optimizer, whose .grad is eager autograd's)."""
+    lifted, own, seen, held = [], [], set(), set()
+    todo = [inspect.unwrap(fn)]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or not inspect.isfunction(f) or (f.__module__ or "").split(".")[0] in ("torch",
+                                                                                                "forge_compile"):
+            continue      # (the libraries' own module-level tensors are constants of theirs, not the step's)
+        seen.add(id(f))
+        cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+        g = f.__globals__
+        for name in sorted(_code_names(f.__code__)):
+            if name in cells:
+                holder = (cells[name], None)
+            elif name in g:
+                holder = (g, name)
+            else:
+                continue
+            obj = _read_holder(holder)
+            if isinstance(obj, torch.Tensor):
+                if (id(holder[0]), name) in held:
+                    continue
+                held.add((id(holder[0]), name))
+                if id(obj) in own_ids:
+                    own.append(holder)
+                elif not obj.requires_grad:
+                    lifted.append(holder)
+            elif inspect.isfunction(obj) and len(seen) < 32:
+                todo.append(obj)
+    return lifted, own
+
+
+def _read_holder(holder):
+    cell_or_dict, name = holder
+    if name is None:
+        try:
+            return cell_or_dict.cell_contents
+        except ValueError:
+            return None
+    return cell_or_dict.get(name)
+
+
+def _write_holder(holder, value) -> None:
+    cell_or_dict, name = holder
+    if name is None:
+        cell_or_dict.cell_contents = value
+    else:
+        cell_or_dict[name] = value
+
+
+@contextlib.contextmanager
+def _holders_set_to(holders, values):
+    """The trace's stand-ins in the closure cells and globals the step reads its tensors from, the real tensors back
+    after (also when the trace fails)."""
+    old = [_read_holder(h) for h in holders]
+    try:
+        for h, v in zip(holders, values):
+            _write_holder(h, v)
+        yield
+    finally:
+        for h, v in zip(holders, old):
+            _write_holder(h, v)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -363,6 +438,7 @@ class CompiledTrainStep:
                      "is captured by forge)")
         self._fn = fn
         self._dump_dir = dump_dir
+        self._holders = None    # (lifted, own): _tensor_holders of the step, found at its first call
         self._fuse = fuse
         self._cuda_graphs = bool(cuda_graphs)
         self._recompute_weight_copies = bool(recompute_weight_copies)
@@ -412,6 +488,17 @@ class CompiledTrainStep:
             skeys.append(skey)
         return walk, opt_plans, tuple(skeys)
 
+    def _lift(self, kwargs: dict, walk) -> dict:
+        """``kwargs`` with the tensors the step reads from its closure and globals (``_tensor_holders``) under
+        ``_LIFTED``, read now: they are inputs of the compiled step like its arguments (a closure or global
+        rebound to another tensor is followed; a new shape, dtype or layout compiles again)."""
+        if self._holders is None:
+            own = {id(t) for t in (*walk.params, *walk.buffers)}
+            self._holders = _tensor_holders(self._fn, own)
+        if not self._holders[0]:
+            return kwargs
+        return {**kwargs, _LIFTED: tuple(_read_holder(h) for h in self._holders[0])}
+
     # -- tracing ------------------------------------------------------------------------------------
     def _rounds(self, plans) -> list:
         """The round-key input of a step that rounds bf16 parameters stochastically (after the hyper-parameters),
@@ -438,6 +525,7 @@ class CompiledTrainStep:
         fn = self._fn
         mod_items = list(modules.items())
         ddps = list(self._ddps)
+        holders = self._holders or ([], [])
 
         def step(*flat):
             if tp_specs is not None:
@@ -508,7 +596,15 @@ class CompiledTrainStep:
             for k, i_ in enumerate(t_idx):
                 l2[i_] = targs[k]
             a2, k2 = pytree.tree_unflatten(l2, in_spec)
+            lifted = k2.pop(_LIFTED, ())
             with contextlib.ExitStack() as stack:
+                # the closure's and globals' tensors: their stand-ins where the step reads them (a parameter's,
+                # buffer's from the modules' stand-ins)
+                lifted_h, own_h = holders
+                stand_ins = [traced.get(id(_read_holder(h))) for h in own_h]
+                stack.enter_context(_holders_set_to(lifted_h, lifted))
+                stack.enter_context(_holders_set_to([h for h, t in zip(own_h, stand_ins) if t is not None],
+                                                    [t for t in stand_ins if t is not None]))
                 for ddp in ddps:     # first: it reads the real parameters, which the next lines swap out
                     stack.enter_context(data_parallel.ddp_in_graph(ddp, traced))
                 for mname, mod in mod_items:
@@ -560,8 +656,10 @@ class CompiledTrainStep:
                     f"forge: the train step reads a tensor{_foreign_tensors(self._fn, params, buffers)} that is "
                     f"neither an argument of the step nor a parameter or buffer of its modules{_failing_line(e)}. "
                     "compile_train_step captures the step once with stand-in tensors and replays the graph with the "
-                    "step's arguments, so such a tensor cannot be followed when it changes. No parameter was changed. "
-                    "Pass it to the step as an argument.") from e
+                    "step's arguments, the tensors its code names in its closure and globals (not ones that require "
+                    "grad) and its modules' parameters and buffers; a tensor reached another way (an attribute, a "
+                    "container) cannot be followed when it changes. No parameter was changed. Pass it to the step as "
+                    "an argument.") from e
             raise ForgeCaptureError(
                 f"forge: could not capture the train step as one graph{_failing_line(e)} ({type(e).__name__}: {e}). "
                 "The step must be traceable: no .item()/float(tensor)/data-dependent Python control flow, "
@@ -784,6 +882,7 @@ class CompiledTrainStep:
 
     def __call__(self, *args, **kwargs):
         modules, optimizers, walk, opt_plans, skeys = self._prepare()
+        kwargs = self._lift(kwargs, walk)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         synced = [d for d in self._ddps if _compat.ddp_synced(d)]
         # every rank's graph must issue the same collectives: all-gathers only where all ranks' shapes agree
@@ -954,6 +1053,7 @@ class CompiledTrainStep:
     def explain(self, *args, **kwargs) -> FusionReport:
         """Capture and rewrite the step for these inputs without running it or changing any tensor."""
         modules, optimizers, walk, opt_plans, skeys = self._prepare()
+        kwargs = self._lift(kwargs, walk)
         plans = [(opt, pl) for opt, pls in opt_plans for pl in pls]
         had = [(opt, pl.param, pl.param in opt.state) for opt, pl in plans]
         try:

@@ -910,23 +910,81 @@ def test_untraceable_step_names_its_line():
         forge.compile_train_step(body)(*_mlp_batch())
 
 
-def test_a_tensor_from_the_enclosing_scope_is_named_and_refused():
-    # the trace runs on stand-ins of the step's inputs: a batch read from a closure (here through a helper function)
-    # is a real tensor inside it; the error names it and says what to do, and no parameter moved
+def test_tensors_from_the_enclosing_scope_are_inputs_of_the_step():
+    # the batch read from a closure through a helper function, a class weight from the module's globals and a
+    # parameter captured by name: each is an input of the compiled step (the parameter its stand-in), read at every
+    # call -- a rebound closure is followed -- and the step is eager's, step for step
+    model, ref = MLP(), MLP()
+    ref.load_state_dict(model.state_dict())
+    opt, ropt = torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.AdamW(ref.parameters(), lr=0.1)
+    batches = [_mlp_batch() for _ in range(3)]
+
+    def make(m, o):
+        x, y = batches[0]
+        w = m.fc1.weight
+
+        def loss_of():
+            return (F.mse_loss(m(x), y, reduction="none") * _CLASS_WEIGHT).mean() + 1e-3 * w.square().sum()
+
+        def body():
+            loss = loss_of()
+            loss.backward(); o.step(); o.zero_grad(); return loss
+
+        def rebind(b):
+            nonlocal x, y
+            x, y = b               # the closure cells rebound to the next batch
+        return body, rebind
+
+    body, rebind = make(model, opt)
+    rbody, rrebind = make(ref, ropt)
+    step = forge.compile_train_step(body, models=[model])
+    for b in batches:
+        rebind(b)
+        rrebind(b)
+        got, want = step(), rbody()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert step.compile_count == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert cur_is_restored(body)
+
+
+def cur_is_restored(body) -> bool:
+    # after the trace every closure cell and global holds the caller's tensors again, no stand-in
+    from torch._subclasses.fake_tensor import FakeTensor
+    cells = [c.cell_contents for f in (body, body.__closure__[0].cell_contents) for c in (f.__closure__ or ())]
+    return not any(isinstance(v, FakeTensor) for v in cells + [_CLASS_WEIGHT])
+
+
+_CLASS_WEIGHT = torch.linspace(0.5, 1.5, 8)
+
+
+def test_a_tensor_in_a_container_is_refused_with_what_to_do():
+    # a list in the closure is no name the step reads a tensor by: not lifted; the error says what is
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    batch = list(_mlp_batch())
+
+    def body():
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        loss.backward(); opt.step(); opt.zero_grad(); return loss
+    with pytest.raises(forge.ForgeCaptureError, match=r"reads a tensor that is neither.*a container.*Pass it"):
+        forge.compile_train_step(body, models=[model])()
+
+
+def test_a_closure_tensor_that_requires_grad_is_named_and_refused():
+    # a leaf trained by autograd but by no optimizer (its .grad is eager's business): not lifted, named in the error
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     w0 = [p.detach().clone() for p in model.parameters()]
+    scale = torch.ones(8, requires_grad=True)
     x, y = _mlp_batch()
 
-    def loss_of():
-        return F.mse_loss(model(x), y)
-
-    def body():
-        loss = loss_of()
+    def body(x, y):
+        loss = F.mse_loss(model(x) * scale, y)
         loss.backward(); opt.step(); opt.zero_grad(); return loss
-    with pytest.raises(forge.ForgeCaptureError, match=r"reads a tensor \(loss_of: x, loss_of: y\).*Pass it to the step "
-                                                      r"as an argument"):
-        forge.compile_train_step(body, models=[model])()
+    with pytest.raises(forge.ForgeCaptureError, match=r"reads a tensor \(scale\).*Pass it to the step as an argument"):
+        forge.compile_train_step(body, models=[model])(x, y)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
 
 
