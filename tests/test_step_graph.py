@@ -477,3 +477,28 @@ def test_cuda_replayed_clipping_step_trains_like_eager(model_name, foreach):
     assert sg.counters["replays"] > replays, dict(sg.counters)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_closure_tensor_is_replayed_like_an_argument_and_writing_it_blocks_the_graph():
+    # a tensor the step reads from its closure is an input like its arguments: copied into the graph's buffers at
+    # each replay, so the graph may read it -- and may not write it (the write would reach the copy only)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weight = torch.linspace(0.5, 1.5, 8)
+
+    def make(write):
+        @forge.compile_train_step(cuda_graphs=True)
+        def step(x, y):
+            loss = (F.mse_loss(model(x), y, reduction="none") * weight).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if write:
+                weight.mul_(1.0)
+            return loss
+        return step
+
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    assert "replayed as one CUDA graph" in _notes_judged_for_cpu(make(False), x, y)
+    notes = _notes_judged_for_cpu(make(True), x, y)
+    assert "not replayed" in notes and "writes to" in notes, notes
