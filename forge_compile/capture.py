@@ -124,7 +124,7 @@ _LIFTED = "__forge_closure_tensors__"
 
 def _tensor_holders(fn, own_ids) -> tuple[list, list]:
     """Where ``fn`` -- or a function it names, recursively -- reads a tensor by name from its closure or globals, as
-    ``(lifted, own)`` lists of holders, a holder ``(cell, None)`` or ``(globals dict, name)``: ``own`` hold a
+    ``(lifted, own)`` lists of holders, a holder ``(cell, None, name)`` or ``(globals dict, name, name)``: ``own`` hold a
     parameter or buffer of the step's modules (``own_ids``: the trace reads their stand-ins there too), ``lifted``
     any other tensor that does not require grad (it becomes an input of the step, read at every call); a tensor
     that requires grad is left where it is (the trace then names it: a leaf the step would train without an
@@ -141,9 +141,9 @@ def _tensor_holders(fn, own_ids) -> tuple[list, list]:
         g = f.__globals__
         for name in sorted(_code_names(f.__code__)):
             if name in cells:
-                holder = (cells[name], None)
+                holder = (cells[name], None, name)
             elif name in g:
-                holder = (g, name)
+                holder = (g, name, name)
             else:
                 continue
             obj = _read_holder(holder)
@@ -161,7 +161,7 @@ def _tensor_holders(fn, own_ids) -> tuple[list, list]:
 
 
 def _read_holder(holder):
-    cell_or_dict, name = holder
+    cell_or_dict, name, _ = holder
     if name is None:
         try:
             return cell_or_dict.cell_contents
@@ -171,7 +171,7 @@ def _read_holder(holder):
 
 
 def _write_holder(holder, value) -> None:
-    cell_or_dict, name = holder
+    cell_or_dict, name, _ = holder
     if name is None:
         cell_or_dict.cell_contents = value
     else:
@@ -716,14 +716,29 @@ class CompiledTrainStep:
             report.notes.append(rounding)
         if self._cuda_graphs:
             out_info["table"] = self._use_table(gm, plans, states, hparams, len(params) + len(buffers), names,
-                                                report, len(out_info["casts"]))
+                                                report, len(out_info["casts"]), self._lifted_labels(args, kwargs))
         if group_updates_enabled() and (note := group_note(group_wgrad_updates(gm, names))):
             report.notes.append(note)
         rewritten_code = format_graph(gm)
         write_dump(_dump_dir(self._dump_dir), "train_step", captured_code, rewritten_code, report)
         return gm, report, out_info
 
-    def _use_table(self, gm, plans, states, hparams, first_state, names, report, n_casts=0):
+    def _lifted_labels(self, args, kwargs) -> dict:
+        """{position among the step's tensor inputs: "the tensor NAME of the step's closure or globals"} of the
+        lifted tensors (``_lift``: after the arguments' tensors)."""
+        lifted = kwargs.get(_LIFTED, ())
+        if not lifted:
+            return {}
+        rest = {k: v for k, v in kwargs.items() if k != _LIFTED}
+        first = sum(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves((args, rest)))
+        out, j = {}, first
+        for h, v in zip(self._holders[0], lifted):
+            if isinstance(v, torch.Tensor):
+                out[j] = f"the tensor {h[2]} of the step's closure or globals"
+                j += 1
+        return out
+
+    def _use_table(self, gm, plans, states, hparams, first_state, names, report, n_casts=0, lifted_labels=None):
         """cuda_graphs: rewrite the graph's updates to read a scalar table (passes/scalar_table.py); returns
         ``(plans, width)`` of the table, or None (the reason goes to the report) when the step cannot be
         replayed as a graph and runs as without cuda_graphs. ``n_casts``: weight-copy placeholders between the
@@ -753,7 +768,8 @@ class CompiledTrainStep:
         pos += n_casts
         # the placeholders after the hyper-parameters (and weight copies) are the step's tensor arguments
         labels = dict(names)
-        labels.update((ph, f"the step's tensor argument {j}") for j, ph in enumerate(placeholders[pos:]))
+        labels.update((ph, (lifted_labels or {}).get(j, f"the step's tensor argument {j}"))
+                      for j, ph in enumerate(placeholders[pos:]))
         blocker = graph_replay_blocker(gm, scalar_inputs, GRAPH_DEVICE[0], frozenset(placeholders[pos:]), labels,
                                        frozenset(counts))
         if blocker is not None:
