@@ -133,7 +133,9 @@ def _torchrun(tmp_path, route, *extra):
     One retry after a hang: in stop 36's CI the baseline route (``off``: torch.compile of the DDP model, torch.optim;
     no forge code) hung once with one rank waiting in gloo for 600 s, and passed in 34 s when run again alone. A
     hung run's whole process group is killed (the ranks outlived torchrun before); a second hang, or any failure,
-    fails the test."""
+    fails the test. The same route once aborted at the end of the run (stop 45's CI: rank 0 "terminate called without
+    an active exception" after its last step, then passed twice alone in the same venv): that route, with that
+    message, is retried once too; any other failure fails the test at once."""
     import signal
     import subprocess
     out = tmp_path / f"{route}.json"
@@ -144,12 +146,15 @@ def _torchrun(tmp_path, route, *extra):
                                 start_new_session=True)
         try:
             _, err = proc.communicate(timeout=300)
-            break
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
             if attempt:
                 raise AssertionError(f"torchrun route {route} hung twice: {err[-3000:]}") from None
+            continue
+        if not (proc.returncode != 0 and route == "off" and not attempt
+                and "terminate called without an active exception" in err):
+            break
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.read_text())
 
