@@ -459,12 +459,7 @@ class _Extras:
 
 
     def _own_key(self, e) -> torch.Tensor:
-        return torch.tensor(self._own_round_key(e), dtype=torch.int64)
-
-    def _own_round_key(self, e) -> int:
-        count = e.plan.q8_inputs(e.states)[1]
-        seed = self.opt.param_groups[e.plan.group_index]["seed"]
-        return round_key(int(seed), int(count))
+        return torch.tensor(e.plan.own_round_key(self.opt, e.states), dtype=torch.int64)
 
     def _table_items(self) -> list:
         """fill_table's rows: each fused plan's rule, scalar states (in the rule's order), hyper-parameters and round
@@ -474,7 +469,7 @@ class _Extras:
         key = round_key(self.seed, _tracker(self.opt).steps) if rounds and not self.own_keys else None
         items = []
         for r, e in enumerate(self.table_rows):
-            k = self._own_round_key(e) if self.own_keys and (r in q8 or r in rounds) else key
+            k = e.plan.own_round_key(self.opt, e.states) if self.own_keys and (r in q8 or r in rounds) else key
             item = (e.rule, e.plan.rule_scalar_states(e.states), e.hparams.tensors)
             if r in q8:
                 item += (row_keys(e.rule, k, *q8[r]),)

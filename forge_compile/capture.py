@@ -976,11 +976,10 @@ class CompiledTrainStep:
             opt, pl = plans[i]
             ss, hh, k = states[i], hparams[i], key
             if is_8bit_optimizer(opt):
-                count = pl.q8_inputs(ss)[1]
-                ss = pl.rule_scalar_states(ss)
-                k = round_key(int(opt.param_groups[pl.group_index]["seed"]), int(count))
+                k = pl.own_round_key(opt, ss)
                 if "q8_count" in pl.state_names:
-                    advance.append(count)
+                    advance.append(pl.q8_inputs(ss)[1])
+                ss = pl.rule_scalar_states(ss)
             item = ((grad_scaled_rule(pl.rule), ss, list(hh) + [_ONE64]) if r in entry.table_scaled
                     else (pl.rule, ss, hh))
             if r in q8:

@@ -65,6 +65,13 @@ class ParamPlan:
         return (pick(lambda n: n.endswith("_codes")), pick(lambda n: n.endswith("_scales")),
                 pick(lambda n: n in self.rule.scalar_states)), count
 
+    def own_round_key(self, optimizer, states) -> int:
+        """A Rule8bitOptimizer parameter's rounding key for its next update: round_key(its group's seed, its count),
+        the count read before it advances -- its eager step's key."""
+        from ..kernels.stochastic_round import round_key
+
+        return round_key(int(optimizer.param_groups[self.group_index]["seed"]), int(self.q8_inputs(states)[1]))
+
     def rule_scalar_states(self, states) -> list:
         """``states`` (``prepare_states``' list) as the rule's states in order with None for each tensor state: what
         a scalar-table row is filled from (passes/scalar_table.fill_table), whatever the layout (a Rule8bitOptimizer
@@ -78,7 +85,9 @@ class ParamPlan:
         """The tensor states a scalar-table update takes, in the graph's order: the rule's, or an 8-bit parameter's
         codes and scales (``<name>_codes``, ``<name>_scales`` per tensor state)."""
         if self.names is None:
-            return [s for i, s in enumerate(states) if not self.rule.is_scalar_state(i)]
+            from ..kernels.wgrad_update_triton import split_states
+
+            return split_states(self.rule, states)[0]
         if self.q8:
             return [s for n, s in zip(self.names, states) if n.endswith(("_codes", "_scales"))]
         return [s for n, s in zip(self.names, states) if n in self.rule.states and n not in self.rule.scalar_states]

@@ -185,11 +185,11 @@ def table_width(rules, rounded_rules=(), q8_rules=()) -> int:
     update (its element key after the scalars), one more per tensor state too for an update with 8-bit states
     (their rounding keys) -- and at least one."""
     from ..kernels.epilogue_codegen import compile_epilogue
+    from ..kernels.wgrad_update_q8 import table_width as q8_width
 
-    n_tensor = lambda r: sum(1 for i in range(len(r.states)) if not r.is_scalar_state(i))  # noqa: E731
     return max([1] + [compile_epilogue(r, "cuda").n_kernel_scalars for r in rules]
                + [compile_epilogue(r, "cuda").n_kernel_scalars + 1 for r in rounded_rules]
-               + [compile_epilogue(r, "cuda").n_kernel_scalars + 1 + n_tensor(r) for r in q8_rules])
+               + [q8_width(r) for r in q8_rules])
 
 
 def _draws_random_numbers(n: fx.Node) -> bool:
