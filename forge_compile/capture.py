@@ -76,7 +76,9 @@ def discover(fn):
 
 
 def _referenced(fn) -> dict:
-    """The objects ``fn`` names: its closure cells, the globals its code reads, and ``self`` of a bound method."""
+    """The objects ``fn`` names: its closure cells, the globals its code reads, and ``self`` of a bound method --
+    a module itself, else the modules, optimizers and grad scalers among the attributes its code (or the code of a
+    method of the same object that it names) reads, as "self.NAME"."""
     fn = inspect.unwrap(fn)
     found = {}
     if fn.__closure__:
@@ -89,50 +91,70 @@ def _referenced(fn) -> dict:
     for name in _code_names(fn.__code__):
         if name in g and name not in found:
             found[name] = g[name]
-    if isinstance(getattr(fn, "__self__", None), nn.Module):
-        found["self"] = fn.__self__
+    owner = _method_owner(fn)
+    if isinstance(owner, nn.Module):
+        found["self"] = owner
+    elif owner is not None:
+        attrs = vars(owner)
+        for name in _method_names(owner, fn.__func__)[0]:
+            if isinstance(attrs.get(name), (nn.Module, torch.optim.Optimizer, torch.amp.GradScaler)):
+                found.setdefault(f"self.{name}", attrs[name])
     return found
 
 
-def _foreign_tensors(fn, params, buffers) -> str:
-    """' (NAMES)': the tensors that ``fn`` -- or a function it names -- reads from its closure or globals and that are
-    not among ``params`` / ``buffers`` (the step's inputs lifted from its modules) and require grad (the others are
-    inputs too: _tensor_holders); '' when none is found that way."""
-    own = {id(t) for t in (*params, *buffers)}
-    names, seen = [], set()
-    todo = [("", fn)]
-    while todo:
-        prefix, f = todo.pop()
-        if id(f) in seen:
+def _method_owner(fn):
+    """``self`` of a bound method whose attributes a step can read by name (it has a ``__dict__``), else None."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None or not inspect.ismethod(fn) or inspect.ismodule(owner) or isinstance(owner, type):
+        return None
+    return owner if isinstance(owner, nn.Module) or hasattr(owner, "__dict__") else None
+
+
+def _method_names(owner, func) -> tuple[set, list]:
+    """The names ``func``'s code reads (attributes among them), with those of the methods of ``owner``'s class it
+    names, recursively (a step calling ``self.compute_loss(...)``); and those methods' functions."""
+    names, todo, funcs = set(), [func], []
+    while todo and len(funcs) < 32:
+        f = todo.pop()
+        if any(f is g for g in funcs):
             continue
-        seen.add(id(f))
-        try:
-            refs = _referenced(f)
-        except (AttributeError, TypeError):   # a builtin or a callable object without code
-            continue
-        for name, obj in refs.items():
-            if isinstance(obj, torch.Tensor) and id(obj) not in own and obj.requires_grad:   # others are lifted
-                names.append(f"{prefix}{name}")
-            elif inspect.isfunction(obj) and len(seen) < 32:
-                todo.append((f"{obj.__name__}: ", obj))
-    return f" ({', '.join(sorted(set(names)))})" if names else ""
+        funcs.append(f)
+        for name in _code_names(f.__code__):
+            names.add(name)
+            attr = inspect.getattr_static(type(owner), name, None)
+            if inspect.isfunction(attr):
+                todo.append(attr)
+    return names, funcs[1:]
 
 
 # the kwargs entry under which the tensors the step reads from its closure and globals travel as its inputs
 _LIFTED = "__forge_closure_tensors__"
 
 
-def _tensor_holders(fn, own_ids) -> tuple[list, list]:
+def _tensor_holders(fn, own_ids) -> tuple[list, list, list]:
     """Where ``fn`` -- or a function it names, recursively -- reads a tensor by name from its closure or globals, as
-    ``(lifted, own)`` lists of holders, a holder ``(cell, None, name)`` or ``(globals dict, name, name)``: ``own`` hold a
-    parameter or buffer of the step's modules (``own_ids``: the trace reads their stand-ins there too), ``lifted``
-    any other tensor that does not require grad (it becomes an input of the step, read at every call); a tensor
-    that requires grad is left where it is (the trace then names it: a leaf the step would train without an
-    optimizer, whose .grad is eager autograd's)."""
-    lifted, own, seen, held = [], [], set(), set()
-    todo = [inspect.unwrap(fn)]
+    ``(lifted, own, refused)``: ``lifted`` and ``own`` are lists of holders, a holder ``(cell, None, name)`` or
+    ``(globals dict, name, name)``; ``own`` hold a parameter or buffer of the step's modules (``own_ids``: the trace
+    reads their stand-ins there too), ``lifted`` any other tensor that does not require grad (it becomes an input of
+    the step, read at every call). A tensor that requires grad is left where it is and named in ``refused`` ("name",
+    or "function: name" inside a function the step names): the trace fails on it and says which (a leaf the step
+    would train without an optimizer, whose .grad is eager autograd's). A bound method's object (not a module: its
+    tensors are parameters and buffers) holds tensors by name too: ``(its __dict__, name, "self.name")``, for the
+    attributes its code and the methods it names read."""
+    lifted, own, refused, seen, held = [], [], [], set(), set()
+    fn = inspect.unwrap(fn)
+    owner = _method_owner(fn)
+    todo = [("", fn)]
+    if owner is not None and not isinstance(owner, nn.Module):
+        attrs = vars(owner)
+        names, methods = _method_names(owner, fn.__func__)
+        for name in sorted(names):
+            if isinstance(attrs.get(name), torch.Tensor):
+                _sort_holder((attrs, name, f"self.{name}"), own_ids, lifted, own, refused, held, "")
+        todo += [(f"{m.__name__}: ", m) for m in methods]     # their closures and globals
     while todo:
-        f = todo.pop()
+        prefix, f = todo.pop()
+        f = getattr(f, "__func__", f)     # a bound method's function: its closure and globals
         if id(f) in seen or not inspect.isfunction(f) or (f.__module__ or "").split(".")[0] in ("torch",
                                                                                                 "forge_compile"):
             continue      # (the libraries' own module-level tensors are constants of theirs, not the step's)
@@ -148,16 +170,24 @@ def _tensor_holders(fn, own_ids) -> tuple[list, list]:
                 continue
             obj = _read_holder(holder)
             if isinstance(obj, torch.Tensor):
-                if (id(holder[0]), name) in held:
-                    continue
-                held.add((id(holder[0]), name))
-                if id(obj) in own_ids:
-                    own.append(holder)
-                elif not obj.requires_grad:
-                    lifted.append(holder)
+                _sort_holder(holder, own_ids, lifted, own, refused, held, prefix)
             elif inspect.isfunction(obj) and len(seen) < 32:
-                todo.append(obj)
-    return lifted, own
+                todo.append((f"{obj.__name__}: ", obj))
+    return lifted, own, refused
+
+
+def _sort_holder(holder, own_ids, lifted, own, refused, held, prefix) -> None:
+    # (_tensor_holders) a holder of a tensor into its list, each holder once
+    if (id(holder[0]), holder[2]) in held:
+        return
+    held.add((id(holder[0]), holder[2]))
+    obj = _read_holder(holder)
+    if id(obj) in own_ids:
+        own.append(holder)
+    elif not obj.requires_grad:
+        lifted.append(holder)
+    else:
+        refused.append(prefix + holder[2])
 
 
 def _read_holder(holder):
@@ -411,6 +441,11 @@ class CompiledTrainStep:
                  cuda_graphs=False, recompute_weight_copies=False, cast_weights_in_update=False,
                  stochastic_rounding=False):
         functools.update_wrapper(self, fn)
+        # (__get__: a method's step compiled per object, with the same options)
+        self._init_kw = dict(dump_dir=dump_dir, fuse=fuse, models=models, optimizers=optimizers, options=options,
+                             cuda_graphs=cuda_graphs, recompute_weight_copies=recompute_weight_copies,
+                             cast_weights_in_update=cast_weights_in_update, stochastic_rounding=stochastic_rounding)
+        self._attr = None       # the class attribute this step is (__set_name__), when it decorates a method
         if isinstance(stochastic_rounding, bool) or stochastic_rounding is None:
             self._sr_seed = 0 if stochastic_rounding else None
         elif isinstance(stochastic_rounding, int):
@@ -438,7 +473,7 @@ class CompiledTrainStep:
                      "is captured by forge)")
         self._fn = fn
         self._dump_dir = dump_dir
-        self._holders = None    # (lifted, own): _tensor_holders of the step, found at its first call
+        self._holders = None    # (lifted, own, refused): _tensor_holders of the step, found at its first call
         self._fuse = fuse
         self._cuda_graphs = bool(cuda_graphs)
         self._recompute_weight_copies = bool(recompute_weight_copies)
@@ -453,6 +488,25 @@ class CompiledTrainStep:
         self._dp_gather = True           # this call's graph may all-gather across ranks (their shapes agree)
         self.compile_count = 0
         self.last_report: FusionReport | None = None
+
+    # -- a decorated method ------------------------------------------------------------------------
+    def __set_name__(self, owner, name):
+        self._attr = name
+
+    def __get__(self, obj, objtype=None):
+        """``@compile_train_step`` on a method: each object gets its own compiled step of the bound method (its
+        modules and optimizers are that object's), kept in the object's ``__dict__`` under the method's name, so
+        later lookups find it there (as functools.cached_property does)."""
+        if obj is None:
+            return self
+        step = CompiledTrainStep(self._fn.__get__(obj, objtype), **self._init_kw)
+        if self._attr is not None and hasattr(obj, "__dict__"):
+            obj.__dict__[self._attr] = step
+        else:
+            raise TypeError(f"forge: compile_train_step on a method of {type(obj).__name__}, an object without a "
+                            "__dict__ (slots) or a step not set as a class attribute: compile the bound method "
+                            "instead, step = forge.compile_train_step(obj.method)")
+        return step
 
     # -- what the step touches -------------------------------------------------------------------
     def _targets(self):
@@ -525,7 +579,7 @@ class CompiledTrainStep:
         fn = self._fn
         mod_items = list(modules.items())
         ddps = list(self._ddps)
-        holders = self._holders or ([], [])
+        holders = self._holders or ([], [], [])
 
         def step(*flat):
             if tp_specs is not None:
@@ -600,7 +654,7 @@ class CompiledTrainStep:
             with contextlib.ExitStack() as stack:
                 # the closure's and globals' tensors: their stand-ins where the step reads them (a parameter's,
                 # buffer's from the modules' stand-ins)
-                lifted_h, own_h = holders
+                lifted_h, own_h = holders[:2]
                 stand_ins = [traced.get(id(_read_holder(h))) for h in own_h]
                 stack.enter_context(_holders_set_to(lifted_h, lifted))
                 stack.enter_context(_holders_set_to([h for h, t in zip(own_h, stand_ins) if t is not None],
@@ -652,8 +706,11 @@ class CompiledTrainStep:
             raise
         except Exception as e:
             if _compat.is_real_tensor_in_fake_trace(e):
+                # walked again: the step's names may have been rebound since its first call
+                refused = _tensor_holders(self._fn, {id(t) for t in (*params, *buffers)})[2]
+                named = f" ({', '.join(sorted(set(refused)))})" if refused else ""
                 raise ForgeCaptureError(
-                    f"forge: the train step reads a tensor{_foreign_tensors(self._fn, params, buffers)} that is "
+                    f"forge: the train step reads a tensor{named} that is "
                     f"neither an argument of the step nor a parameter or buffer of its modules{_failing_line(e)}. "
                     "compile_train_step captures the step once with stand-in tensors and replays the graph with the "
                     "step's arguments, the tensors its code names in its closure and globals (not ones that require "

@@ -959,6 +959,61 @@ def cur_is_restored(body) -> bool:
 _CLASS_WEIGHT = torch.linspace(0.5, 1.5, 8)
 
 
+class _Trainer:
+    # a step written as a method: its model and optimizer attributes of the object, a tensor attribute, a class
+    # weight in the module's globals, and a helper method it calls
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.scale = torch.tensor(1.0)
+
+    def loss_of(self, x, y):
+        return (F.mse_loss(self.model(x), y, reduction="none") * _CLASS_WEIGHT).mean() * self.scale
+
+    def step(self, x, y):
+        loss = self.loss_of(x, y)
+        loss.backward(); self.opt.step(); self.opt.zero_grad(); return loss
+
+
+class _DecoratedTrainer(_Trainer):
+    @forge.compile_train_step
+    def step(self, x, y):
+        loss = self.loss_of(x, y)
+        loss.backward(); self.opt.step(); self.opt.zero_grad(); return loss
+
+
+@pytest.mark.parametrize("how", ["bound", "decorated"])
+def test_a_method_step_finds_its_objects_modules_and_reads_its_tensors_as_inputs(how):
+    # no models= / optimizers=: the model and optimizer are found among the object's attributes its code (and the
+    # method it calls) reads; the tensor attribute and the global are inputs, rebound between calls and followed
+    global _CLASS_WEIGHT
+    model, ref = MLP(), MLP()
+    ref.load_state_dict(model.state_dict())
+    cls = _DecoratedTrainer if how == "decorated" else _Trainer
+    trainer = cls(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    rtrainer = _Trainer(ref, torch.optim.AdamW(ref.parameters(), lr=0.1))
+    step = trainer.step if how == "decorated" else forge.compile_train_step(trainer.step)
+    old = _CLASS_WEIGHT
+    try:
+        for i in range(3):
+            _CLASS_WEIGHT = old * (i + 1)
+            trainer.scale = rtrainer.scale = torch.tensor(0.5 * (i + 1))
+            x, y = _mlp_batch()
+            torch.testing.assert_close(step(x, y), rtrainer.step(x, y), rtol=1e-5, atol=1e-6)
+    finally:
+        _CLASS_WEIGHT = old
+    assert step.compile_count == 1
+    assert how == "bound" or trainer.step is step      # the object's own compiled step, found again
+    assert step.last_report.fused, "the linear weights' updates were not fused"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    if how == "decorated":    # another object: its own step, its own modules
+        other = _DecoratedTrainer(MLP(), None)
+        other.opt = torch.optim.SGD(other.model.parameters(), lr=0.1)
+        assert other.step is not step
+        other.step(*_mlp_batch())
+        assert other.step.compile_count == 1 and step.compile_count == 1
+
+
 def test_a_tensor_in_a_container_is_refused_with_what_to_do():
     # a list in the closure is no name the step reads a tensor by: not lifted; the error says what is
     model = MLP()
