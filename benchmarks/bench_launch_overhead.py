@@ -19,6 +19,8 @@ only while the host part is the slower one. Rows, each adding one layer above th
             q8_fused = the same op on the fused kernel (FORGE_Q8_PATH=fused); q8_apply = ``forge::apply_rule_q8_``
             (the eager AdamW8bit step's update of one stored gradient)
 and, for scale, ``unfused`` = bench_wgrad_update's baseline: cuBLAS wgrad + ``torch._fused_adamw_``.
+--profile-q8 profiles the 8-bit op alone (cProfile + torch.profiler); --profile-mm times the ways to get the blocked
+8-bit path's fp32 dW block from bf16 operands (torch.mm(out_dtype=...) and its overloads, per BLAS library).
 Results: stdout and DIR/launch_overhead.json.
 """
 from __future__ import annotations
@@ -185,12 +187,72 @@ def profile_q8(a, n, k, m) -> None:
     print(text)
 
 
+def profile_mm(a) -> None:
+    """Host us per call of the ways to get an fp32 dW block from bf16 dY and X (the blocked 8-bit path's GEMM;
+    stop 45 measured torch.mm(out_dtype=float32) at ~46 us of host per call against ~8 for a bf16 mm), each checked
+    bitwise against ``torch.mm(out_dtype=float32)``, then torch.profiler's CPU + CUDA-runtime table of that call."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    n, k, m = 256, 256, 64
+    dy_t = torch.randn(n, m, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    buf = torch.empty(n, k, device=dev)
+    ref = torch.mm(dy_t, x, out_dtype=torch.float32)
+    variants = {
+        "mm_bf16 (bf16 out, for scale)": lambda: torch.mm(dy_t, x),
+        "mm_out_dtype": lambda: torch.mm(dy_t, x, out_dtype=torch.float32),
+        "mm_out_dtype_out=": lambda: torch.mm(dy_t, x, out_dtype=torch.float32, out=buf),
+        "aten.mm.dtype": lambda: torch.ops.aten.mm.dtype(dy_t, x, torch.float32),
+        "aten.mm.dtype_out": lambda: torch.ops.aten.mm.dtype_out(dy_t, x, torch.float32, out=buf),
+        "addmm_dtype_out beta=0": lambda: torch.addmm(buf, dy_t, x, beta=0, out_dtype=torch.float32, out=buf),
+        "mm_fp32 inputs (not the same GEMM)": lambda: torch.mm(dy_t.float(), x.float()),
+    }
+    rows, lines = {}, []
+    for lib in ("default", "cublas", "cublaslt"):
+        old = torch.backends.cuda.preferred_blas_library()
+        try:
+            if lib != "default":
+                torch.backends.cuda.preferred_blas_library(lib)
+            for name, fn in variants.items():
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                    same = (None if out.dtype != torch.float32 or "not the same" in name
+                            else bool(torch.equal(out, ref)))
+                    us = per_call_us(fn, a.calls, lambda: None)
+                except Exception as e:  # an overload missing on this torch: say so, go on
+                    lines.append(f"{lib:9s} {name:36s} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows[f"{lib}/{name}"] = us
+                lines.append(f"{lib:9s} {name:36s} {us:7.1f} us/call  bitwise={same}")
+        finally:
+            torch.backends.cuda.preferred_blas_library(old)
+    for name in ("mm_out_dtype", "mm_out_dtype_out=", "mm_bf16 (bf16 out, for scale)"):
+        fn = variants[name]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tp:
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+        lines.append(f"--- {name}, 200 calls\n" + tp.key_averages().table(sort_by="self_cpu_time_total",
+                                                                          row_limit=18))
+    text = "\n".join(lines)
+    with open(os.path.join(a.out, "mm_profile.txt"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.out, "mm_profile.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "us_per_call": rows}, f,
+                  indent=1)
+    print(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--layers", type=int, default=57, help="layers of the op_cycle rows (the full preset has 57)")
     ap.add_argument("--profile-q8", action="store_true", help="only profile the 8-bit op: DIR/q8_profile.txt")
+    ap.add_argument("--profile-mm", action="store_true",
+                    help="only time and profile the fp32-out GEMM variants of the blocked 8-bit path: DIR/mm_profile.*")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -199,6 +261,9 @@ def main():
     m = 64
     if a.profile_q8:
         profile_q8(a, n, k, m)
+        return
+    if a.profile_mm:
+        profile_mm(a)
         return
     # the kernel benchmark's inputs and unfused baseline (cuBLAS wgrad + torch._fused_adamw_), at a tiny shape
     rule, w, dy_t, x, states, hp = make_inputs("adamw", torch.bfloat16, n, k, m)
