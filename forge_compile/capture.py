@@ -1210,15 +1210,22 @@ def _update_8bit(opt, pl, t, states, hparams, salt) -> None:
     unfused): the rounding key ``round_key(the group's seed, the parameter's count)`` computed in the graph from the
     count it reads (``step``, or ``q8_count``, advanced here), the 8-bit states through ``forge::apply_rule_q8_``
     (which the pattern pass fuses with the matmul of dW), full-precision ones through ``apply_rule_`` (a bf16
-    parameter rounded stochastically with the same key). ``salt``: the parameter's index in its optimizer."""
+    parameter rounded stochastically with the same key). ``salt``: the parameter's index in its optimizer (a DTensor
+    shard's: tensor_parallel.round_salt of it)."""
     inputs, count = pl.q8_inputs(states)
     key = round_key_t(int(opt.param_groups[pl.group_index]["seed"]), count)
+    param, grad = t, t.grad
+    if _compat.is_dtensor(t):
+        # the local shard from its gradient in the parameter's placements, with the shard's salt (the eager step's);
+        # its 8-bit states are local already, its full-precision ones the traced local inputs
+        param, grad = tensor_parallel.rule_inputs(t, t.grad)
+        salt = tensor_parallel.round_salt(t, salt)
     if pl.q8:
-        torch.ops.forge.apply_rule_q8_(t, t.grad, *inputs, hparams, pl.rule.name, key, salt)
+        torch.ops.forge.apply_rule_q8_(param, grad, *inputs, hparams, pl.rule.name, key, salt)
     elif t.dtype == torch.bfloat16:
-        torch.ops.forge.apply_rule_(t, t.grad, list(inputs), hparams, pl.rule.name, key, salt)
+        torch.ops.forge.apply_rule_(param, grad, list(inputs), hparams, pl.rule.name, key, salt)
     else:
-        torch.ops.forge.apply_rule_(t, t.grad, list(inputs), hparams, pl.rule.name)
+        torch.ops.forge.apply_rule_(param, grad, list(inputs), hparams, pl.rule.name)
     if "q8_count" in pl.state_names:
         count.add_(1)
 

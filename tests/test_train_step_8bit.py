@@ -465,20 +465,6 @@ def test_cuda_an_autocast_mlp_trains_like_the_eager_optimizer():
     assert abs(loss.item() - rl.item()) <= 0.02 * rl.item()
 
 
-def test_dtensor_parameters_are_refused_before_anything_changes(monkeypatch):
-    # 8-bit states of a sharded parameter (tensor parallel, FSDP2) are not supported: refused up front (the check
-    # reads _compat.is_dtensor: made to name the big weight here, no process group needed)
-    from forge_compile import _compat
-
-    model = _model()
-    opt = AdamW8bit(model.parameters(), **HP)
-    monkeypatch.setattr(_compat, "is_dtensor", lambda t: t is model.big.weight)
-    before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(forge.UnsupportedOptimizerError, match="DTensor parameter: 8-bit states of sharded"):
-        _compiled(model, opt)(*_batches(1)[0])
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
-
-
 def test_salts_skip_nothing_and_a_reloaded_state_is_read_again(tmp_path):
     # the rounding salt is the parameter's index in the optimizer, counting parameters without a gradient (an unused
     # 8-bit-sized one first here) as the eager step does; a load_state_dict between compiled steps replaces the state

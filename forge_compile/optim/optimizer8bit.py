@@ -24,6 +24,14 @@ Rounding bits: the key of a parameter's update is ``round_key(seed, count)`` wit
 uninterrupted one), salted by the parameter's index in the optimizer. A bf16
 parameter is stored stochastically rounded with the same bits as forge's rounded update (stochastic_round.py).
 
+Tensor parallelism (DTensor parameters, ``parallelize_module``): each rank keeps the 8-bit states of its own shard
+(plain local tensors: codes and scales of the local rows, blocks of 128 within the local rows) and updates its shard
+from its gradient in the parameter's placements (a Partial one reduced first, as torch.optim's DTensor arithmetic
+would); the rounding salt of a shard is tensor_parallel.round_salt's (the parameter's index + 2^20 x the shard's
+index), so shards draw different bits and replicas equal ones. Whether a parameter's states are 8-bit is decided on
+its global size, the same on every rank. Small parameters' full-precision states are DTensors, as torch.optim's.
+A state dict then holds each rank's own shards' codes and scales (save and load it per rank).
+
 State dict: codes (uint8, viewed as float8_e4m3fn by the kernels) and scales (fp32) as they are; torch.optim's
 load_state_dict casts every state but ``step`` to its parameter's dtype (a bf16 parameter's scales would be rounded),
 so ``load_state_dict`` puts the 8-bit states back from the dict afterwards.
@@ -34,6 +42,7 @@ import itertools
 
 import torch
 
+from .. import _compat, tensor_parallel
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
 from ..kernels.wgrad_update_q8 import update_from_grad
@@ -47,9 +56,18 @@ __all__ = ["Rule8bitOptimizer", "AdamW8bit", "Lion8bit"]
 def q8_shapes(p: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     """The shapes of an 8-bit state of ``p``: codes [rows, k] (``as_rows``: the first dimension by the rest) and
     scales [rows, ceil(k / 128)]."""
+    p = _local(p)
     rows = p.shape[0] if p.dim() >= 2 else 1
     k = p.numel() // max(rows, 1)
     return (rows, k), (rows, -(-k // q8_state.BLOCK))
+
+
+def _local(t):
+    """A DTensor's local tensor (the same storage: an in-place update of it updates the DTensor), else ``t``."""
+    if _compat.is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 class Rule8bitOptimizer(torch.optim.Optimizer):
@@ -82,8 +100,9 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
         return [float(group[n]) for n in self.group_rule(group).hparams]
 
     def is_8bit(self, p: torch.Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps 8-bit states: large enough, and contiguous (its rows are the blocks' rows)."""
-        return p.numel() >= group["min_8bit_size"] and p.is_contiguous() and p.dim() >= 1
+        """Whether ``p`` keeps 8-bit states: large enough (a DTensor: its global size, so that every rank decides
+        alike), and contiguous (its rows are the blocks' rows)."""
+        return p.numel() >= group["min_8bit_size"] and _local(p).is_contiguous() and p.dim() >= 1
 
     def state_bytes(self) -> int:
         """Bytes of every state tensor (the number the 8-bit format is for)."""
@@ -126,8 +145,9 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
             if rule.is_scalar_state(i):
                 state[name] = torch.tensor(0.0)
             elif big:
-                state[f"{name}_codes"] = torch.zeros(n, k, dtype=torch.uint8, device=p.device)
-                state[f"{name}_scales"] = torch.zeros(n, nb, dtype=torch.float32, device=p.device)
+                dev = _local(p).device
+                state[f"{name}_codes"] = torch.zeros(n, k, dtype=torch.uint8, device=dev)
+                state[f"{name}_scales"] = torch.zeros(n, nb, dtype=torch.float32, device=dev)
             else:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if self.count_name(rule) == "q8_count":
@@ -165,12 +185,18 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
                 key = round_key(group["seed"], int(counter))
                 big = any(k.endswith("_codes") for k in state)
                 states = self._states(state, rule, big)
+                param, grad, psalt = p, p.grad, salt
+                if _compat.is_dtensor(p):
+                    # this rank's shard, from its gradient in the parameter's placements, with the shard's salt
+                    param, grad = tensor_parallel.rule_inputs(p, p.grad)
+                    psalt = tensor_parallel.round_salt(p, salt)
+                    states = [[_local(t) for t in s] if isinstance(s, list) else _local(s) for s in states]
                 if big:
-                    update_from_grad(p, p.grad, states, hp, rule.name, key=key, salt=salt)
+                    update_from_grad(param, grad, states, hp, rule.name, key=key, salt=psalt)
                 elif p.dtype == torch.bfloat16:
-                    rule.apply_rounded(p, p.grad, states, hp, element_key(key, salt))
+                    rule.apply_rounded(param, grad, states, hp, element_key(key, psalt))
                 else:
-                    rule.apply(p, p.grad, states, hp)
+                    rule.apply(param, grad, states, hp)
                 if "q8_count" in state:
                     state["q8_count"] += 1
         return loss
@@ -183,7 +209,9 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
         for k, v in state.items():
             if k.endswith("_codes"):
                 name = k[: -len("_codes")]
-                out[name] = q8_state.dequantize(v.view(torch.float8_e4m3fn), state[f"{name}_scales"]).view_as(p)
+                # (a DTensor parameter's: its local shard's)
+                out[name] = q8_state.dequantize(v.view(torch.float8_e4m3fn), state[f"{name}_scales"]).view_as(
+                    _local(p))
             elif not k.endswith("_scales"):
                 out[k] = v
         return out
@@ -198,7 +226,7 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
         for i, q in saved.items():
             p = params[i]
             for k, v in q.items():
-                self.state[p][k] = v.to(p.device, copy=True)
+                self.state[p][k] = v.to(_local(p).device, copy=True)
 
 
 class AdamW8bit(Rule8bitOptimizer):

@@ -458,12 +458,8 @@ def plan_and_structure_key(optimizer: torch.optim.Optimizer) -> tuple[tuple[Para
 
 
 def _q8_layouts(optimizer) -> tuple:
-    """(every group's seed, every parameter's ``q8_layout``) of a Rule8bitOptimizer; refuses what it cannot fuse."""
-    for i, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if _compat.is_dtensor(p):
-                raise _fail(optimizer, f"param group {i} holds a DTensor parameter: 8-bit states of sharded "
-                                       "parameters are not supported")
+    """(every group's seed, every parameter's ``q8_layout``) of a Rule8bitOptimizer (a DTensor parameter's states are
+    its local shard's: optimizer8bit.py)."""
     return (tuple(int(g["seed"]) for g in optimizer.param_groups),
             tuple(optimizer.q8_layout(p, g) for g in optimizer.param_groups for p in g["params"]))
 
