@@ -138,6 +138,7 @@ def full(t) -> torch.Tensor:
 
 def scenarios(rank, world, device, which="main"):
     import forge_compile as forge
+    from forge_compile.optim import AdamW8bit
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
@@ -203,6 +204,9 @@ def scenarios(rank, world, device, which="main"):
         if device.type == "cpu":
             step_graph.GRAPH_DEVICE[0], step_graph.RECORDER[0] = "cpu", rerun_recorder
         run("sp_clip_graphs", sequence_parallel=True, clip=0.05, graphs=True)
+        # 8-bit states replayed: each row's keys from its count and the shard's salt (the graph's, the eager step's)
+        run("tp_8bit_graphs", graphs=True, make_opt=lambda ps: AdamW8bit(ps, lr=1e-2, weight_decay=0.1,
+                                                                          min_8bit_size=256))
         return res
     run("tp")
     run("sp", sequence_parallel=True)
@@ -297,7 +301,6 @@ def scenarios(rank, world, device, which="main"):
     # gradients; integer inputs: dW = c^T x exact in any order and independent of W, so the compiled step must be the
     # eager optimizer's under the same plan bitwise at every step, and the first step the spec on the local shard
     from forge_compile.kernels import q8_state
-    from forge_compile.optim import AdamW8bit
     torch.manual_seed(0)
     lin = nn.Linear(128, 32, bias=False).to(device)
     with torch.no_grad():
@@ -520,9 +523,14 @@ def check_graphs(results, device_type="cpu"):
     ex = Expect()
     for res in results:
         check_runs(ex, res, ("sp_clip_graphs",), device_type)
-        r = res["sp_clip_graphs"]
-        ex(set(SHARDED) <= set(r["fused"]), r)
-        ex(any("replayed as one CUDA graph" in n for n in r["notes"]), r["notes"])
+        for name in ("sp_clip_graphs", "tp_8bit_graphs"):
+            r = res[name]
+            ex(set(SHARDED) <= set(r["fused"]), (name, r))
+            ex(any("replayed as one CUDA graph" in n for n in r["notes"]), (name, r["notes"]))
+        r = res["tp_8bit_graphs"]
+        # the replayed 8-bit step against the same step unfused (not replayed) and eager 8-bit, bounds as "tp_8bit"'s
+        ex(max(r["diff_unfused"].values()) <= (1e-6 if device_type == "cpu" else 1e-3), r)
+        ex(max(r["diff"].values()) <= 1e-3, r)
     ex.done()
 
 
