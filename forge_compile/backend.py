@@ -58,8 +58,7 @@ from .dump import dump_dir as _dump_dir, write_dump
 from .graph_printer import format_graph
 from .kernels.stochastic_round import element_key, round_key
 from .kernels.wgrad_update import triton_on_cpu
-from .kernels.wgrad_update_q8 import row_keys
-from .passes.scalar_table import fill_table, use_scalar_table
+from .passes.scalar_table import fill_table, row_key_words, use_scalar_table
 from .optim.state_cache import ParamStates, StateCache
 from .optim.translate import (flush_step_mirrors, hparam_values, is_8bit_optimizer, plan_optimizer,
                               prepare_states)
@@ -470,12 +469,8 @@ class _Extras:
         items = []
         for r, e in enumerate(self.table_rows):
             k = e.plan.own_round_key(self.opt, e.states) if self.own_keys and (r in q8 or r in rounds) else key
-            item = (e.rule, e.plan.rule_scalar_states(e.states), e.hparams.tensors)
-            if r in q8:
-                item += (row_keys(e.rule, k, *q8[r]),)
-            elif r in rounds:
-                item += (element_key(k, rounds[r]),)
-            items.append(item)
+            items.append((e.rule, e.plan.rule_scalar_states(e.states), e.hparams.tensors,
+                          *row_key_words(e.rule, k, r, q8, rounds)))
         return items
 
     def after_update(self) -> None:

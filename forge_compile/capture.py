@@ -39,11 +39,10 @@ from .optim.state_cache import StateCache
 from .optim.translate import (HparamTensors, discard_step_mirrors, flush_step_mirrors, hparam_values,
                               is_8bit_optimizer, plan_and_structure_key, prepare_states)
 from .passes.remat_for_backward import remat_for_backward, weight_copies_kept, written_args
-from .passes.scalar_table import fill_table, graph_replay_blocker, use_scalar_table
+from .passes.scalar_table import fill_table, graph_replay_blocker, row_key_words, use_scalar_table
 from .passes.weight_cast_in_update import cast_weights_in_update
 from .passes.wgrad_update_group import group_note, group_updates_enabled, group_wgrad_updates
-from .kernels.stochastic_round import element_key, round_key, round_key_t
-from .kernels.wgrad_update_q8 import row_keys
+from .kernels.stochastic_round import round_key, round_key_t
 from .passes.wgrad_update_pattern import fp32_activation_note, rewrite_wgrad_updates, stochastic_rounding_note
 from .report import FusionReport
 from .step_graph import GRAPH_DEVICE, StepGraph
@@ -1039,11 +1038,7 @@ class CompiledTrainStep:
                 ss = pl.rule_scalar_states(ss)
             item = ((grad_scaled_rule(pl.rule), ss, list(hh) + [_ONE64]) if r in entry.table_scaled
                     else (pl.rule, ss, hh))
-            if r in q8:
-                item += (row_keys(pl.rule, k, q8[r][0], q8[r][1]),)
-            elif r in rounds:
-                item += (element_key(k, rounds[r]),)
-            items.append(item)
+            items.append(item + row_key_words(pl.rule, k, r, q8, rounds))
         for c in advance:
             c.add_(1)
         return items

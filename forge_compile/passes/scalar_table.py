@@ -40,6 +40,8 @@ import torch.fx as fx
 from .. import kernels as _kernels  # noqa: F401  (registers forge::wgrad_update_table_ and forge::rule_update_)
 from .._compat import OpOverload, op_schema
 from ..optim.rule import get_rule
+from ..kernels.stochastic_round import element_key
+from ..kernels.wgrad_update_q8 import row_keys
 from ..kernels.wgrad_update_triton import rule_scalars, split_states
 from .remat_for_backward import view_root, written_args
 from .wgrad_update_pattern import round_args
@@ -47,7 +49,8 @@ from .wgrad_update_pattern import round_args
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width", "fill_table", "grad_scale_column"]
+__all__ = ["graph_replay_blocker", "use_scalar_table", "table_width", "fill_table", "row_key_words",
+           "grad_scale_column"]
 
 counters: Counter = Counter()
 
@@ -404,6 +407,17 @@ def _q8_table_op(graph, n, sel, rule):
         p, g = n.args[:2]
         new = graph.call_function(torch.ops.forge.apply_rule_q8_table_.default, (p, g, codes, scales, sel, rule.name))
     return new
+
+
+def row_key_words(rule, key: int, row: int, q8_rows: dict, round_rows: dict) -> tuple:
+    """What a ``fill_table`` item of table row ``row`` carries after its hyper-parameters, from the update's round
+    ``key``: an 8-bit update's key words (``q8_rows[row]`` = (salt, bf16 weight): wgrad_update_q8.row_keys), a
+    rounded update's element key (``round_rows[row]`` = salt), or nothing. Both routes' table fillers."""
+    if row in q8_rows:
+        return (row_keys(rule, key, *q8_rows[row]),)
+    if row in round_rows:
+        return (element_key(key, round_rows[row]),)
+    return ()
 
 
 def fill_table(table: torch.Tensor, items) -> None:
