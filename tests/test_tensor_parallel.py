@@ -205,8 +205,9 @@ def scenarios(rank, world, device, which="main"):
             step_graph.GRAPH_DEVICE[0], step_graph.RECORDER[0] = "cpu", rerun_recorder
         run("sp_clip_graphs", sequence_parallel=True, clip=0.05, graphs=True)
         # 8-bit states replayed: each row's keys from its count and the shard's salt (the graph's, the eager step's)
-        run("tp_8bit_graphs", graphs=True, make_opt=lambda ps: AdamW8bit(ps, lr=1e-2, weight_decay=0.1,
-                                                                          min_8bit_size=256))
+        # (not against the same step unfused: CI time; "q8" checks the 8-bit shard update bitwise)
+        run("tp_8bit_graphs", graphs=True, unfused=False,
+            make_opt=lambda ps: AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=256))
         return res
     run("tp")
     run("sp", sequence_parallel=True)
@@ -357,8 +358,9 @@ def scenarios(rank, world, device, which="main"):
         codes=q8opt.state[lin.weight]["exp_avg_codes"].flatten().tolist())
 
     # the LM under Megatron's plan with 8-bit AdamW (min_8bit_size: every projection 8-bit), against the eager 8-bit
-    # optimizer under the same plan and the same step unfused
-    run("tp_8bit", make_opt=lambda ps: AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=256))
+    # optimizer under the same plan (not against the same step unfused: each compile of this LM costs CI ~1-2 min
+    # on 2 ranks; "q8" above checks the 8-bit shard update bitwise)
+    run("tp_8bit", unfused=False, make_opt=lambda ps: AdamW8bit(ps, lr=1e-2, weight_decay=0.1, min_8bit_size=256))
 
     torch.manual_seed(0)
     m = parallelize(LM().to(device), mesh)
@@ -493,9 +495,6 @@ def check(results, device_type="cpu"):
         ex(r["local_states"] == ["Tensor"] * 4, r)
         r = res["tp_8bit"]
         ex(set(SHARDED) | {"model.head.weight", "model.emb.weight"} <= set(r["fused"]), r)
-        # fused vs unfused compiled: bitwise on CPU (0.0 measured); on CUDA the fused kernel's dW against cuBLAS's
-        # can flip a stochastically rounded code: an element's step moves by a few % of lr (1e-2)
-        ex(max(r["diff_unfused"].values()) <= (1e-6 if device_type == "cpu" else 1e-3), r)
         # vs eager 8-bit under the same plan: Inductor's summation order through Adam, as in "tp" (3.5e-4 measured);
         # the unsharded model's row-wise weights have other 128-blocks, other scales: its losses only
         ex(max(r["diff"].values()) <= 1e-3, r)
@@ -528,8 +527,7 @@ def check_graphs(results, device_type="cpu"):
             ex(set(SHARDED) <= set(r["fused"]), (name, r))
             ex(any("replayed as one CUDA graph" in n for n in r["notes"]), (name, r["notes"]))
         r = res["tp_8bit_graphs"]
-        # the replayed 8-bit step against the same step unfused (not replayed) and eager 8-bit, bounds as "tp_8bit"'s
-        ex(max(r["diff_unfused"].values()) <= (1e-6 if device_type == "cpu" else 1e-3), r)
+        # the replayed 8-bit step against eager 8-bit under the same plan, bound as "tp_8bit"'s
         ex(max(r["diff"].values()) <= 1e-3, r)
     ex.done()
 
