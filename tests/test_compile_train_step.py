@@ -1014,6 +1014,29 @@ def test_a_method_step_finds_its_objects_modules_and_reads_its_tensors_as_inputs
         assert other.step.compile_count == 1 and step.compile_count == 1
 
 
+def test_a_decorated_method_explains_itself_and_a_slots_object_is_told_what_to_do():
+    trainer = _DecoratedTrainer(MLP(), None)
+    trainer.opt = torch.optim.AdamW(trainer.model.parameters(), lr=0.1)
+    w0 = [p.detach().clone() for p in trainer.model.parameters()]
+    rep = forge.explain(trainer.step, *_mlp_batch())       # the object's own step: nothing run
+    assert {r.name for r in rep.fused} == {"self.model.fc1.weight", "self.model.fc2.weight"}, rep
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), w0))
+
+    class Slotted:
+        __slots__ = ("model", "opt")
+
+        def __init__(self):
+            self.model = MLP()
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        @forge.compile_train_step
+        def step(self, x, y):
+            loss = F.mse_loss(self.model(x), y)
+            loss.backward(); self.opt.step(); self.opt.zero_grad(); return loss
+    with pytest.raises(TypeError, match=r"without a __dict__.*forge.compile_train_step\(obj.method\)"):
+        Slotted().step
+
+
 def test_a_tensor_in_a_container_is_refused_with_what_to_do():
     # a list in the closure is no name the step reads a tensor by: not lifted; the error says what is
     model = MLP()
