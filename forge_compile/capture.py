@@ -622,14 +622,10 @@ class CompiledTrainStep:
                         if is_8bit_optimizer(opt):
                             _update_8bit(opt, pl, t, s, h, own)
                             continue
-                        param, grad = t, t.grad
-                        if tp_specs is not None and _compat.is_dtensor(t):
-                            param, grad = tensor_parallel.rule_inputs(t, t.grad)
+                        # a DTensor's local shard and gradient; stochastic rounding: the parameter's index in the
+                        # step salts its bits (and a DTensor shard's index: tensor_parallel.round_salt)
+                        param, grad, salt = tensor_parallel.shard_inputs(t, salt)
                         if key_t is not None and t.dtype == torch.bfloat16:
-                            # stochastic rounding: the parameter's index in the step salts its bits (and a DTensor
-                            # shard's index: tensor_parallel.round_salt)
-                            if param is not t:
-                                salt = tensor_parallel.round_salt(t, salt)
                             torch.ops.forge.apply_rule_(param, grad, s, h, pl.rule.name, key_t, salt)
                         else:
                             torch.ops.forge.apply_rule_(param, grad, s, h, pl.rule.name)
@@ -1209,12 +1205,9 @@ def _update_8bit(opt, pl, t, states, hparams, salt) -> None:
     shard's: tensor_parallel.round_salt of it)."""
     inputs, count = pl.q8_inputs(states)
     key = round_key_t(int(opt.param_groups[pl.group_index]["seed"]), count)
-    param, grad = t, t.grad
-    if _compat.is_dtensor(t):
-        # the local shard from its gradient in the parameter's placements, with the shard's salt (the eager step's);
-        # its 8-bit states are local already, its full-precision ones the traced local inputs
-        param, grad = tensor_parallel.rule_inputs(t, t.grad)
-        salt = tensor_parallel.round_salt(t, salt)
+    # a DTensor: its local shard and gradient, the shard's salt (the eager step's); its 8-bit states are local
+    # already, its full-precision ones the traced local inputs
+    param, grad, salt = tensor_parallel.shard_inputs(t, salt)
     if pl.q8:
         torch.ops.forge.apply_rule_q8_(param, grad, *inputs, hparams, pl.rule.name, key, salt)
     elif t.dtype == torch.bfloat16:

@@ -22,7 +22,8 @@ import torch
 
 from . import _compat
 
-__all__ = ["specs_of", "to_local", "wrap", "wrap_all", "rule_inputs", "round_salt", "SHARD_SALT", "unsupported"]
+__all__ = ["specs_of", "to_local", "local", "wrap", "wrap_all", "rule_inputs", "round_salt", "shard_inputs",
+           "SHARD_SALT", "unsupported"]
 
 # stochastic rounding: a shard's salt is its parameter's salt (the index in the step) + SHARD_SALT x its shard index
 SHARD_SALT = 1 << 20
@@ -41,6 +42,14 @@ def to_local(tensors, specs) -> list:
         return [t.to_local() if s is not None else t for t, s in zip(tensors, specs)]
 
 
+def local(t):
+    """A DTensor's local tensor (the same storage: an in-place update of it updates the DTensor), else ``t``."""
+    if _compat.is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 def wrap(local, spec):
     """A DTensor on ``local`` (the traced input itself, not a view: the fused update's weight must be the graph's
     input) with the real tensor's spec."""
@@ -56,8 +65,7 @@ def rule_inputs(param, grad):
     parameter's placements first (a Partial one is reduced here, traced)."""
     if grad.placements != param.placements or grad.device_mesh != param.device_mesh:
         grad = grad.redistribute(param.device_mesh, param.placements)
-    with torch.no_grad():
-        return param.to_local(), grad.to_local()
+    return local(param), local(grad)
 
 
 def round_salt(param, salt: int) -> int:
@@ -72,6 +80,15 @@ def round_salt(param, salt: int) -> int:
         if placement.is_shard():
             index = index * mesh.size(d) + coord[d]
     return salt + SHARD_SALT * index
+
+
+def shard_inputs(param, salt: int):
+    """(parameter, gradient, rounding salt) that an update of ``param`` runs on: a DTensor's local shard, its local
+    gradient in the parameter's placements (``rule_inputs``) and the shard's salt (``round_salt``); a plain tensor's
+    own. The traced updates (fp32 and 8-bit) and the eager 8-bit optimizer's step."""
+    if not _compat.is_dtensor(param):
+        return param, param.grad, salt
+    return (*rule_inputs(param, param.grad), round_salt(param, salt))
 
 
 def unsupported(ddps, cast_weights: bool) -> str | None:

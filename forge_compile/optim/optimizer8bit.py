@@ -42,7 +42,8 @@ import itertools
 
 import torch
 
-from .. import _compat, tensor_parallel
+from .. import tensor_parallel
+from ..tensor_parallel import local as _local
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
 from ..kernels.wgrad_update_q8 import update_from_grad
@@ -60,14 +61,6 @@ def q8_shapes(p: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     rows = p.shape[0] if p.dim() >= 2 else 1
     k = p.numel() // max(rows, 1)
     return (rows, k), (rows, -(-k // q8_state.BLOCK))
-
-
-def _local(t):
-    """A DTensor's local tensor (the same storage: an in-place update of it updates the DTensor), else ``t``."""
-    if _compat.is_dtensor(t):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 class Rule8bitOptimizer(torch.optim.Optimizer):
@@ -185,11 +178,9 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
                 key = round_key(group["seed"], int(counter))
                 big = any(k.endswith("_codes") for k in state)
                 states = self._states(state, rule, big)
-                param, grad, psalt = p, p.grad, salt
-                if _compat.is_dtensor(p):
-                    # this rank's shard, from its gradient in the parameter's placements, with the shard's salt
-                    param, grad = tensor_parallel.rule_inputs(p, p.grad)
-                    psalt = tensor_parallel.round_salt(p, salt)
+                # a DTensor: this rank's shard, from its gradient in the parameter's placements, with the shard's salt
+                param, grad, psalt = tensor_parallel.shard_inputs(p, salt)
+                if param is not p:
                     states = [[_local(t) for t in s] if isinstance(s, list) else _local(s) for s in states]
                 if big:
                     update_from_grad(param, grad, states, hp, rule.name, key=key, salt=psalt)
