@@ -12,7 +12,9 @@ once), all on the same inputs:
   what 8-bit states cost without fusion (a bitsandbytes-like step, our kernel);
 - ``blocked q8``: wgrad_update_q8_blocked, the path the op takes for two-state rules (cuBLAS into a <= 32 MiB row
   block of dW, then the stored-dW update of that block; host part included);
-- ``fused q8`` per config of wgrad_update_q8.CONFIGS, and the best of them;
+- ``fused q8`` per config of wgrad_update_q8.CONFIGS (the Triton kernel), and the best of them;
+- ``gluon q8`` per config ``g_a<ahead>`` (kernels/wgrad_update_q8_gluon.py: the split kernel with ``ahead`` chunks in
+  flight), and the best of them (sm_90 only);
 - the q8 roofline floor: W read + written (8 bytes), each state's codes (2) and scales (8 / 128), dY and X once, at
   4.27 TB/s -- or the GEMM at 686 TFLOP/s.
 Correctness first, in the same run: every config bitwise the spec (reference_wgrad_update_q8) on exact activations
@@ -59,6 +61,34 @@ def copy_states(st8):
     return [[st[0].clone(), st[1].clone()] if isinstance(st, list) else st.clone() for st in st8]
 
 
+def is_gluon(cfg: str) -> bool:
+    return cfg.startswith("g_a")
+
+
+def launch_kw(cfg: str) -> dict:
+    """launch_wgrad_update_q8 / bound_launch keywords of a config name: a Triton CONFIGS name, or g_a<ahead>."""
+    if is_gluon(cfg):
+        from forge_compile.kernels import wgrad_update_q8_gluon as qg
+
+        return dict(gluon=True, config=qg.q8_config(ahead=int(cfg[3:])))
+    return dict(config=cfg)
+
+
+def gluon_configs(configs):
+    """The g_a* configs when this GPU takes the Gluon kernel (else none, said once)."""
+    g = [c for c in configs if is_gluon(c)]
+    if not g:
+        return []
+    from forge_compile.kernels import wgrad_update_q8_gluon as qg
+
+    rule, w, dy_t, x, _, st8, _ = make_inputs("adamw", 256, 256, 64)
+    why = qg.q8_gluon_reason(w, dy_t, x, wq.check_q8_states(w, rule, st8)[0], rule)
+    if why is not None:
+        print(f"gluon q8 configs skipped: {why}", flush=True)
+        return []
+    return g
+
+
 def check_exact(kind, configs, n=520, k=640, m=300):
     """Every config (and the unfused q8 update) bitwise the spec over two steps, on exact activations."""
     rule, w, dy_t, x, _, st8, hp = make_inputs(kind, n, k, m, seed=3, exact=True)
@@ -66,15 +96,20 @@ def check_exact(kind, configs, n=520, k=640, m=300):
     for cfg in [*configs, "from_grad", "blocked"]:
         w_ref, st_ref = w.clone(), copy_states(st8)
         w_k, st_k = w.clone(), copy_states(st8)
-        for step in range(2):
-            key = round_key(11, step)
-            g = wq.reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=2)
-            if cfg == "from_grad":
-                wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, grad=g)
-            elif cfg == "blocked":
-                wq.wgrad_update_q8_blocked(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2)
-            else:
-                wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, config=cfg)
+        try:
+            for step in range(2):
+                key = round_key(11, step)
+                g = wq.reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=2)
+                if cfg == "from_grad":
+                    wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, grad=g)
+                elif cfg == "blocked":
+                    wq.wgrad_update_q8_blocked(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2)
+                else:
+                    wq.launch_wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule, key=key, salt=2, **launch_kw(cfg))
+        except Exception as e:  # noqa: BLE001 -- a config that does not build: not exact, said why
+            print(f"check {kind} {cfg}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+            out[cfg] = False
+            continue
         ok = torch.equal(w_k, w_ref)
         for i, (a, b) in enumerate(zip(st_k, st_ref)):
             if not rule.is_scalar_state(i):
@@ -101,7 +136,8 @@ def main():
     ap.add_argument("--shapes", default="4096x4096")
     ap.add_argument("--ms", default="256,1024,2048,4096,8192")
     ap.add_argument("--rules", default="adamw")
-    ap.add_argument("--configs", default=",".join(c for c in wq.CONFIGS if not c.startswith("interp")))
+    ap.add_argument("--configs", default=",".join([c for c in wq.CONFIGS if not c.startswith("interp")]
+                                                  + ["g_a2", "g_a3", "g_a4"]))
     ap.add_argument("--rep", type=int, default=25)
     args = ap.parse_args()
     from triton.testing import do_bench
@@ -110,6 +146,9 @@ def main():
         return do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
 
     configs = args.configs.split(",")
+    gcfgs = gluon_configs(configs)
+    tcfgs = [c for c in configs if not is_gluon(c)]
+    configs = tcfgs + gcfgs
     meta = dict(date=datetime.datetime.now().isoformat(timespec="minutes"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=__import__("triton").__version__)
     print(meta, flush=True)
@@ -136,7 +175,7 @@ def main():
                 row["fused_fp32"] = t(fn)
                 # the unfused q8 step with its best config too (the update of a stored dW is its own sweep)
                 unf = {}
-                for cfg in configs:
+                for cfg in tcfgs:
                     wu, su = w.clone(), copy_states(st8)
                     try:
                         upd = wq.bound_launch(wu, dy_t, x, su, hp, rule, key=key, salt=1, grad=g, config=cfg)
@@ -153,29 +192,38 @@ def main():
                 for cfg in configs:
                     wf, sf = w.clone(), copy_states(st8)
                     try:
-                        fused[cfg] = t(wq.bound_launch(wf, dy_t, x, sf, hp, rule, key=key, salt=1, config=cfg))
+                        fused[cfg] = t(wq.bound_launch(wf, dy_t, x, sf, hp, rule, key=key, salt=1, **launch_kw(cfg)))
                     except Exception as e:  # noqa: BLE001 -- a config that does not build (smem): reported
                         fused[cfg] = f"{type(e).__name__}: {str(e)[:120]}"
                 row["fused_q8"] = fused
-                times = {c: v for c, v in fused.items() if isinstance(v, float)}
+                times = {c: v for c, v in fused.items() if isinstance(v, float) and not is_gluon(c)}
                 best = min(times, key=times.get)
                 row["best"], row["fused_q8_best"] = best, times[best]
+                gtimes = {c: v for c, v in fused.items() if isinstance(v, float) and is_gluon(c)}
+                if gtimes:
+                    gbest = min(gtimes, key=gtimes.get)
+                    row["gluon_best"], row["gluon_q8"] = gbest, gtimes[gbest]
+                    # the Gluon kernel vs the unfused q8 step on cuBLAS's dW (the GEMM's summation order only)
+                    w_c, st_c = w.clone(), copy_states(st8)
+                    wq.launch_wgrad_update_q8(w_c, dy_t, x, st_c, hp, rule, key=key, salt=1, **launch_kw(gbest))
+                    row["check_gluon_max_dw"] = (w_c - w_b).abs().max().item()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "q8.json"), "w") as f:
         json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
     print(f"\n{meta}\n")
-    print("| rule | shape | M | unfused fp32 | fused fp32 | unfused q8 | blocked q8 | fused q8 (best config) | floor q8 | "
-          "unfused fp32 / fused q8 | unfused q8 / fused q8 | fused fp32 / fused q8 | unfused fp32 / blocked q8 | "
-          "fused fp32 / blocked q8 | mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| rule | shape | M | unfused fp32 | fused fp32 | unfused q8 | blocked q8 | Triton fused q8 (best) | "
+          "Gluon q8 (best) | floor q8 | mm | unfused fp32 / Gluon q8 | fused fp32 / Gluon q8 | blocked q8 / Gluon q8 | "
+          "Gluon q8 / mm | unfused fp32 / blocked q8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        b, bl = r["fused_q8_best"], r["blocked_q8"]
+        b, bl, gq = r["fused_q8_best"], r["blocked_q8"], r.get("gluon_q8")
+        gcols = (f"{gq:.4f} ({r['gluon_best']})", f"{r['unfused_fp32'] / gq:.2f}x", f"{r['fused_fp32'] / gq:.2f}x",
+                 f"{bl / gq:.2f}x", f"{gq / r['mm']:.2f}") if gq else ("-",) * 5
         print(f"| {r['rule']} | {r['n']}x{r['k']} | {r['m']} | {r['unfused_fp32']:.4f} | {r['fused_fp32']:.4f} | "
-              f"{r['unfused_q8']:.4f} | {bl:.4f} | {b:.4f} ({r['best']}) | {r['floor_q8']:.4f} | "
-              f"{r['unfused_fp32'] / b:.2f}x | {r['unfused_q8'] / b:.2f}x | {r['fused_fp32'] / b:.2f}x | "
-              f"{r['unfused_fp32'] / bl:.2f}x | {r['fused_fp32'] / bl:.2f}x | {r['mm']:.4f} |")
+              f"{r['unfused_q8']:.4f} | {bl:.4f} | {b:.4f} ({r['best']}) | {gcols[0]} | {r['floor_q8']:.4f} | "
+              f"{r['mm']:.4f} | {' | '.join(gcols[1:])} | {r['unfused_fp32'] / bl:.2f}x |")
     print("\nper config (ms):")
     for r in rows:
         print(r["rule"], f"{r['n']}x{r['k']}", r["m"],

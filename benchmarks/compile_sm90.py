@@ -67,6 +67,9 @@ def _specs(args):
                "coop_b64": wg.coop_config(bmt=64, stages=2), "coop_nostream": wg.coop_config(stream=False),
                "tf32_coop": wg.coop_config(bmt=16), "tf32_coop_b32": wg.coop_config(bmt=32, stages=2)}
     for rname in args.rules.split(","):
+        for q8 in filter(None, args.q8.split(",")):   # the 8-bit Gluon kernel (kernels/wgrad_update_q8_gluon.py)
+            for table in ((False, True) if args.table == "both" else (args.table == "on",)):
+                yield f"{rname}/q8:{q8}{'/table' if table else ''}", rules[rname], q8, ("q8", table), None
         for cname in filter(None, args.triton.split(",")):
             for side in [None] + (["cast"] if args.cast_out else []) + (["tied"] if args.tied else []):
                 yield f"{rname}/triton:{cname}{'/' + args.act if args.act != 'bfloat16' else ''}" \
@@ -173,6 +176,25 @@ def compile_group(rule, n, k, m, members=3, table=False, side=None):
     return _ptxas_row(kernel.warmup(*kargs, grid=grid, **opts))
 
 
+def compile_q8(rule, weight_dtype, table, n, k, m):
+    """The 8-bit Gluon kernel (kernels/wgrad_update_q8_gluon.py) with an fp32 or bf16 (``weight_dtype``) weight and
+    AdamW-style (codes, scales) states, the launch prepared on CPU tensors."""
+    from forge_compile.kernels import wgrad_update_q8_gluon as qg
+    from forge_compile.kernels.epilogue_codegen import compile_epilogue
+    from forge_compile.kernels.wgrad_update_q8 import empty_q8_state
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).to(weight_dtype)
+    pairs = [(i, *empty_q8_state(w)) for i in range(len(rule.states)) if not rule.is_scalar_state(i)]
+    dy = torch.randn(m, n, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    ep = compile_epilogue(rule, "cuda")
+    scalars = [torch.zeros(ep.n_kernel_scalars + 1 + len(pairs))] if table else [0.5] * ep.n_kernel_scalars
+    keys = [] if table else [12345] * (1 + len(pairs))
+    kernel, grid, kargs, opts = qg.prepare(rule, w, dy.t(), x, pairs, scalars, keys, table=table, max_ctas=132)
+    return _ptxas_row(kernel.warmup(*kargs, grid=grid, **opts))
+
+
 def compile_triton(rule, name, act, tf32, side, n, k, m):
     """The Triton kernel (config ``name``) for sm_90: as compile_one, the launch prepared on CPU tensors (``side``:
     None, "cast" -- the new W's bf16 copy -- or "tied" -- a tied embedding's rows added to dW)."""
@@ -233,6 +255,7 @@ def main(argv=None):
     ap.add_argument("--act", choices=["bfloat16", "float32"], default="bfloat16",
                     help="activation dtype of the --triton compiles")
     ap.add_argument("--tf32", action="store_true", help="--triton with float32: the TF32 dot (DOT_PREC)")
+    ap.add_argument("--q8", default="", help="also the 8-bit Gluon kernel with these weight dtypes (float32,bfloat16)")
     ap.add_argument("--save", help="write the rows as JSON")
     ap.add_argument("--compare", help="a JSON from --save: report whose SASS changed")
     args = ap.parse_args(argv)
@@ -242,7 +265,9 @@ def main(argv=None):
     for name, rule, cfg, table, side in _specs(args):
         t0 = time.time()
         try:
-            row = (compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
+            row = (compile_q8(rule, getattr(torch, cfg), table[1], n, k, m)
+                   if isinstance(table, tuple) and table[0] == "q8" else
+                   compile_triton(rule, cfg, getattr(torch, args.act), args.tf32, side, n, k, m) if table == "triton"
                    else compile_group(rule, n, k, m, table=table[1], side=side) if isinstance(table, tuple)
                    else compile_one(rule, cfg, table, side, n, k, m,
                                     torch.float32 if name.split("/")[1].startswith("tf32") else torch.bfloat16))

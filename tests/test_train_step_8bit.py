@@ -296,7 +296,7 @@ def test_interpreter_replayed_8bit_step_is_the_eager_step(interpret, which, dtyp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("which,dtype,path", [
     ("adamw", torch.float32, ""), ("adamw", torch.bfloat16, ""), ("adamw", torch.float32, "fused"),
-    ("lion", torch.bfloat16, "blocked"), ("sgd_momentum", torch.float32, "")])
+    ("lion", torch.bfloat16, "blocked"), ("sgd_momentum", torch.float32, ""), ("adamw", torch.bfloat16, "gluon")])
 def test_cuda_replayed_8bit_step_is_the_eager_step(monkeypatch, which, dtype, path):
     if path:
         monkeypatch.setenv("FORGE_Q8_PATH", path)
@@ -403,7 +403,7 @@ def _kernel_path_is_the_eager_step(n_steps, dtype, device, what):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("path", ["", "fused", "blocked"])
+@pytest.mark.parametrize("path", ["", "fused", "blocked", "gluon"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_the_compiled_step_is_the_eager_step(monkeypatch, path, dtype):
     if path:
@@ -598,8 +598,8 @@ def test_cuda_the_blocked_paths_mm_reads_row_slices_of_a_transposed_operand():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("path,fuse,autocast", [("", True, True), ("fused", True, True), ("", False, True),
-                                                ("", True, False)])
+@pytest.mark.parametrize("path,fuse,autocast", [("", True, True), ("fused", True, True), ("gluon", True, True),
+                                                ("", False, True), ("", True, False)])
 def test_cuda_one_step_of_a_wide_mlp_moves_the_states_as_eager(monkeypatch, path, fuse, autocast):
     # the end-to-end shapes (a 5632 x 2048 weight: two 32 MiB row blocks): after one step the compiled and eager
     # AdamW8bit's first moments (0.1 x dW, 8-bit) must agree up to the codes' rounding and bf16 dW rounding -- a

@@ -278,7 +278,7 @@ def test_interpreter_bad_rows_are_refused_before_anything_is_written(interpret, 
 @CUDA
 @pytest.mark.parametrize("kind", ["adamw", "sgdm", "lion"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("path", ["fused", "blocked"])
+@pytest.mark.parametrize("path", ["fused", "blocked", "gluon"])
 def test_cuda_gemm_table_op_is_the_host_op(monkeypatch, kind, wdtype, path):
     monkeypatch.setenv("FORGE_Q8_PATH", path)
     monkeypatch.setattr(wq, "BLOCK_BYTES", 64 * CUDA_SHAPE[1] * 4)
@@ -306,8 +306,8 @@ def test_cuda_bad_rows_are_refused_before_anything_is_written(monkeypatch):
 
 
 @CUDA
-@pytest.mark.parametrize("op,path", [("gemm", "fused"), ("gemm", "blocked"), ("stored_grad", "fused"),
-                                     ("embedding", "blocked")])
+@pytest.mark.parametrize("op,path", [("gemm", "fused"), ("gemm", "blocked"), ("gemm", "gluon"),
+                                     ("stored_grad", "fused"), ("embedding", "blocked")])
 def test_cuda_graph_replays_the_table_op_with_new_rows(monkeypatch, op, path):
     # the point of the table: one capture, then every step is a replay after the row was rewritten -- bitwise the
     # host op step after step (new step counter, new keys), the scalar states advanced by the row's filler

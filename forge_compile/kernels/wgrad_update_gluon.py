@@ -1028,7 +1028,7 @@ def wgrad_update_gluon_kernel(dy_desc, x_desc, w_ptr, {state_ptrs}g_ptr,
 # arrives after its store), dw_bar[NDW + b] "empty" (count 2: each epilogue warpgroup after its last read of the
 # tile). One dW tile leaves 160 KB for the GEMM ring (5 stages), two leave 96 KB (3). STREAM=False is the overlap
 # diagnostic (tiles handed back untouched).
-_SPLIT_KERNEL = '''\
+_SPLIT_MMA = '''\
 @gluon.jit
 def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles,
                STAGES: gl.constexpr, NDW: gl.constexpr, KMAJOR: gl.constexpr = False, MMA_WARPS: gl.constexpr = 4):
@@ -1068,6 +1068,9 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
         r += 1
 
 
+'''
+# the rest of the split kernel (its epilogue warpgroups and the kernel), after _SPLIT_MMA
+_SPLIT_KERNEL = _SPLIT_MMA + '''\
 @gluon.jit
 def _split_epi(w_ptr, {state_ptrs}g_ptr, dw, dw_bar, {scalar_params}N, K, num_tiles, num_n, num_k,
                H: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STORE_GRAD: gl.constexpr,

@@ -64,7 +64,8 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad", "as_rows",
+           "take_gluon", "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad",
+           "as_rows",
            "update_from_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source", "table_width", "row_keys",
            "table_row", "check_q8_table"]
@@ -82,8 +83,8 @@ def reference_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, key: 
 def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int | None = None, salt: int | None = None,
                     grad=None, block_grad=None, table=None) -> None:
     """The update (the module docstring): on CUDA tensors (or on CPU ones under the interpreter, FORGE_TRITON_CPU=1)
-    the blocked path or the fused kernel (``use_blocked``), else the CPU path -- the same function, bitwise, on each
-    device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of rows r0..r1 made on demand (an embedding's,
+    the Gluon kernel (``take_gluon``), the blocked path or the fused Triton kernel (``use_blocked``), else the CPU
+    path -- the same function, bitwise, on each device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of rows r0..r1 made on demand (an embedding's,
     from its compact rows), for the blocked paths. ``key``, ``salt``: the step's round key and the parameter's salt.
 
     ``table``: the scalar-table update (the module docstring's row): ``states`` are then the tensor states alone --
@@ -105,6 +106,16 @@ def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int | N
             wgrad_update_q8_cpu(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
         return
     if triton:
+        from . import wgrad_update_q8_gluon
+
+        if grad is None and take_gluon(weight, dy_t, x, states, r, table):
+            try:
+                launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, table=table,
+                                       gluon=True)
+                wgrad_update_q8_gluon.counters["taken"] += 1
+                return
+            except Exception as e:  # a build failure (a triton whose Gluon API differs): nothing was launched
+                wgrad_update_q8_gluon.mark_broken(r, e)
         if grad is None and use_blocked(r, x.shape[0]) and x.shape[0] > 0:
             wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt, table=table)
         else:
@@ -405,15 +416,25 @@ def check_q8_table(ep: Epilogue, rule: Rule, table, weight) -> None:
 
 
 def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config, off0: int = 0,
-             table=None):
+             table=None, gluon: bool = False, max_ctas: int | None = None):
     from .wgrad_update_triton import fp32_dot_precision, host_scalars
 
     n, k = weight.shape
     pairs, scalar_states = check_q8_states(weight, rule, states, table is not None)
-    interpret = not weight.is_cuda
-    if interpret and not _interpreting():
-        raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
-    ep, kernel = _kernel_for(rule, _target(weight), table is not None)
+    if gluon:
+        from . import wgrad_update_q8_gluon
+
+        why = None if grad is not None or off0 else wgrad_update_q8_gluon.q8_gluon_reason(weight, dy_t, x, pairs, rule)
+        if grad is not None or off0 or why is not None:
+            raise ValueError(f"forge: the Gluon 8-bit kernel cannot take this launch: "
+                             f"{why or 'a stored dW or a row block (the blocked path)'}")
+        _check_shapes(weight, dy_t, x)
+        ep, kernel = compile_epilogue(rule, "cuda"), None
+    else:
+        interpret = not weight.is_cuda
+        if interpret and not _interpreting():
+            raise RuntimeError("forge: the Triton kernel runs on CPU tensors only with TRITON_INTERPRET=1")
+        ep, kernel = _kernel_for(rule, _target(weight), table is not None)
     if table is None:
         scalars, new_scalar_states = host_scalars(ep, scalar_states, hparams)
         keys = row_keys(rule, key, salt, weight.dtype == torch.bfloat16)
@@ -423,6 +444,11 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
                              "the table)")
         check_q8_table(ep, rule, table, weight)
         scalars, new_scalar_states, keys = [table], [], ()
+    if gluon:
+        kernel, grid, args, opts = wgrad_update_q8_gluon.prepare(rule, weight, dy_t, x, pairs, scalars, keys,
+                                                                 table=table is not None, config=config,
+                                                                 max_ctas=max_ctas)
+        return kernel, grid, args, opts, scalar_states, new_scalar_states
     if grad is not None:
         if grad.dtype != torch.float32 or grad.shape != weight.shape or grad.stride(1) != 1:
             raise ValueError("forge: grad must be an fp32 [N, K] tensor with unit column stride")
@@ -462,7 +488,7 @@ def _round_keys(weight, rule: Rule, key: int, salt: int) -> tuple[int, list[int]
 
 
 def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, grad, config=None, off0: int = 0,
-            table=None):
+            table=None, gluon: bool = False, max_ctas: int | None = None):
     """One kernel launch; returns (the scalar states, their values after the update): advancing them is the caller's,
     once per update after its last launch (a blocked update launches once per row block). A launch with a ``table``
     has none.
@@ -477,21 +503,21 @@ def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, g
     from .wgrad_update_triton import fp32_dot_precision
 
     memo_key = None
-    if (table is None and weight.is_cuda and config is None and launch_memo.ENABLED[0]
+    if (table is None and weight.is_cuda and config is None and max_ctas is None and launch_memo.ENABLED[0]
             and (grad is not None or x.shape[0] > 0)):   # M == 0 launches on temporaries (see _prepare)
         flat = [t for st in states for t in (st if isinstance(st, (tuple, list)) else (st,))]
         prec = "" if grad is not None else fp32_dot_precision(dy_t, x)
-        memo_key = launch_memo.launch_key(("q8", off0, prec), rule, weight, dy_t, x, flat, grad)
+        memo_key = launch_memo.launch_key(("q8", off0, prec, gluon), rule, weight, dy_t, x, flat, grad)
         ekey, qkeys = _round_keys(weight, rule, key, salt)
         done = launch_memo.launch_remembered(memo_key, states, hparams, (ekey, *qkeys))
         if done is not None:
             return done
     kernel, grid, args, opts, scalar_states, new = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
-                                                            config, off0, table)
+                                                            config, off0, table, gluon, max_ctas)
     kernel[grid](*args, **opts)
     if memo_key is not None:
         launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
-                                                              None, off0),
+                                                              None, off0, gluon=gluon),
                              _kernel_for(rule, "cuda")[0], states, hparams, _scalar_idx(rule), nvar=1 + len(qkeys))
     return scalar_states, new
 
@@ -508,19 +534,24 @@ def _advance(scalar_states, new) -> None:
 
 
 def launch_wgrad_update_q8(weight, dy_t, x, states, hparams, rule: Rule, *, key: int | None = None,
-                           salt: int | None = None, grad=None, config: str | None = None, table=None) -> None:
+                           salt: int | None = None, grad=None, config=None, table=None, gluon: bool = False,
+                           max_ctas: int | None = None) -> None:
     """One fused update with 8-bit states (the module docstring); ``grad`` given: the update of that stored dW
     (dy_t and x unused), as the unfused baseline and for parameters whose dW is not a GEMM's. ``table``: the
-    scalar-table launch (``wgrad_update_q8``'s convention: tensor states alone, no hparams, no key/salt)."""
-    _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, grad, config, table=table))
+    scalar-table launch (``wgrad_update_q8``'s convention: tensor states alone, no hparams, no key/salt).
+    ``gluon``: the Gluon kernel (kernels/wgrad_update_q8_gluon.py; a ValueError where q8_gluon_reason refuses the
+    launch), ``config`` then a wgrad_update_q8_gluon.q8_config and ``max_ctas`` a cap on its persistent grid (tests:
+    several tiles per CTA on small shapes); else the Triton kernel, ``config`` a CONFIGS name."""
+    _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, grad, config, table=table, gluon=gluon,
+                      max_ctas=max_ctas))
 
 
 def bound_launch(weight, dy_t, x, states, hparams, rule: Rule, *, key: int | None = None, salt: int | None = None,
-                 grad=None, config: str | None = None, table=None):
+                 grad=None, config=None, table=None, gluon: bool = False):
     """(benchmarks) A zero-argument callable that launches the kernel alone, host part done once; scalar states are
     NOT advanced by it."""
     kernel, grid, args, opts, _, _ = _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad, config,
-                                              table=table)
+                                              table=table, gluon=gluon)
     return lambda: kernel[grid](*args, **opts)
 
 
@@ -567,6 +598,19 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     _advance(scalar_states, new or [])
 
 
+def take_gluon(weight, dy_t, x, states, rule: Rule, table=None) -> bool:
+    """Whether an update of a GEMM's dW takes the Gluon kernel (kernels/wgrad_update_q8_gluon.py): FORGE_Q8_PATH=gluon,
+    or unset while wgrad_update_q8_gluon.AUTO_Q8_GLUON is on, and q8_gluon_reason allows the launch (an sm_90 GPU,
+    bf16/fp16 activations, ...). ``states`` as ``wgrad_update_q8`` takes them."""
+    from . import wgrad_update_q8_gluon
+
+    forced = os.environ.get("FORGE_Q8_PATH", "")
+    if not weight.is_cuda or not (forced == "gluon" or (not forced and wgrad_update_q8_gluon.AUTO_Q8_GLUON)):
+        return False
+    pairs = check_q8_states(weight, rule, states, table is not None)[0]
+    return wgrad_update_q8_gluon.q8_gluon_reason(weight, dy_t, x, pairs, rule) is None
+
+
 def use_blocked(rule: Rule, m: int) -> bool:
     """Whether a CUDA update takes the blocked path: FORGE_Q8_PATH=fused|blocked forces one; by default blocked except
     for one-state rules at M <= 256 (SGD-m there: fused 0.109 vs 0.120 ms; from M = 2048 the blocked path wins too)."""
@@ -577,10 +621,11 @@ def use_blocked(rule: Rule, m: int) -> bool:
     return not (n_tensor <= 1 and m <= 256)
 
 
-def dw_block_bytes(n: int, k: int, rule: Rule, m: int, device_type: str) -> int:
+def dw_block_bytes(n: int, k: int, rule: Rule, m: int, device_type: str, gluon: bool = False) -> int:
     """Bytes of dW that the update of an [n, k] weight at ``m`` tokens holds at once: a row block of the blocked path
-    (CUDA, ``use_blocked``; the fused kernel none), of the CPU path (cache-sized) on CPU."""
-    if device_type == "cuda" and not use_blocked(rule, m):
+    (CUDA, ``use_blocked``; the fused kernels none: ``gluon``, the Gluon kernel's launch -- take_gluon --, or the
+    Triton one), of the CPU path (cache-sized) on CPU."""
+    if device_type == "cuda" and (gluon or not use_blocked(rule, m)):
         return 0
     return block_rows(n, k, BLOCK_BYTES if device_type == "cuda" else CPU_BLOCK_BYTES) * 4 * k
 
