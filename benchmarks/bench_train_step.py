@@ -20,6 +20,9 @@ Routes, each in its own subprocess per micro-batch (clean allocator, clean Dynam
             gradients (forge::wgrad_update_q8_)
   step_graphs_8bit (only with --routes) step_8bit with cuda_graphs=True: the 8-bit updates read their scalars and
             rounding keys from the scalar table (forge::*_q8_table_), the step replayed as one CUDA graph
+  step_8bit_gluon, step_graphs_8bit_gluon  (only with --routes) the same with FORGE_Q8_PATH=gluon (the 8-bit
+            updates on the Gluon split kernel, kernels/wgrad_update_q8_gluon.py; FORGE_BENCH_Q8_PATH overrides the
+            value); the routes without the suffix keep the default 8-bit path
   eager     (only with --routes) the baseline without torch.compile: its loss-check column says how far two correct
             bf16 executions of the same steps drift apart on this model
   step_graphs      (only with --routes) compile_train_step(cuda_graphs=True): the step replayed as one CUDA graph
@@ -90,26 +93,33 @@ sys.path.insert(0, ROOT)
 from gpu_power import PowerSampler  # noqa: E402  (benchmarks/: the script's own folder)
 
 ROUTES = ("baseline", "baseline_graphs", "baseline_8bit", "eager", "step", "step_8bit", "step_graphs_8bit",
+          "step_8bit_gluon", "step_graphs_8bit_gluon",
           "step_cast", "step_graphs", "step_graphs_group",
           "step_graphs_pdl", "step_graphs_recompute", "step_graphs_cast", "step_graphs_cast_group",
           "step_graphs_cast_pdl", "backend", "backend_graphs", "backend_graphs_group",
           "backend_graphs_pdl")   # table order
 DEFAULT_ROUTES = ("baseline", "step", "backend")
 # compile_train_step: one graph, no .grad
-STEP_ROUTES = ("step", "step_8bit", "step_graphs_8bit", "step_cast", "step_graphs", "step_graphs_group",
+STEP_ROUTES = ("step", "step_8bit", "step_graphs_8bit", "step_8bit_gluon", "step_graphs_8bit_gluon", "step_cast",
+               "step_graphs", "step_graphs_group",
                "step_graphs_pdl",
                "step_graphs_recompute",
                "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_8bit", "step_graphs_group", "step_graphs_pdl", "step_graphs_recompute",   # replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "step_graphs_8bit", "step_graphs_8bit_gluon", "step_graphs_group",   # replayed CUDA graphs
+                "step_graphs_pdl", "step_graphs_recompute",
                 "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl", "baseline_graphs",
                 "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
 GROUP_SUFFIX = "_group"   # the route with FORGE_GROUP_UPDATES=1 (its run's process); the others run with 0
 PDL_SUFFIX = "_pdl"       # the route with FORGE_PDL (FORGE_BENCH_PDL, default 2); the others run with 0
 # route suffix -> (the forge switch it turns on in that run's process, the bench variable overriding its value,
 # the default value); routes without the suffix run with the switch at "0"
+GLUON_SUFFIX = "_gluon"   # the route with FORGE_Q8_PATH=gluon (FORGE_BENCH_Q8_PATH); the others with the default path
 ROUTE_SWITCHES = {GROUP_SUFFIX: ("FORGE_GROUP_UPDATES", "FORGE_BENCH_GROUP", "1"),
-                  PDL_SUFFIX: ("FORGE_PDL", "FORGE_BENCH_PDL", "2")}
+                  PDL_SUFFIX: ("FORGE_PDL", "FORGE_BENCH_PDL", "2"),
+                  GLUON_SUFFIX: ("FORGE_Q8_PATH", "FORGE_BENCH_Q8_PATH", "gluon")}
+# a switch's value in the routes without its suffix ("0" unless listed: FORGE_Q8_PATH empty is the default path)
+SWITCH_OFF = {"FORGE_Q8_PATH": ""}
 
 
 def base_route(route: str) -> str:
@@ -210,7 +220,7 @@ def build_optimizer(model, route, lr, forge_fused="auto"):
     """AdamW(fused=True) for the baseline; for the forge routes as --forge-adamw-fused says (auto: fused=True
     unless forge raises UnsupportedOptimizerError for it); forge's eager AdamW8bit (8-bit moments) for
     baseline_8bit. Returns (optimizer, fused flag, note)."""
-    if route in ("baseline_8bit", "step_8bit", "step_graphs_8bit"):
+    if base_route(route) in ("baseline_8bit", "step_8bit", "step_graphs_8bit"):
         from forge_compile.optim import AdamW8bit
 
         return (AdamW8bit(decay_groups(model), lr=lr, betas=(0.9, 0.95), eps=1e-8), False,
@@ -247,7 +257,8 @@ def make_step(route, wl, opt, autocast, inductor_options=None, clip=None, accum=
     # policy, passes/wgrad_update_group.py); *_pdl: the split kernels launched as programmatic dependents
     # (kernels/wgrad_update_gluon.use_pdl). This run's process only: every run is its own subprocess
     for suffix, (switch, override, default) in ROUTE_SWITCHES.items():
-        os.environ[switch] = os.environ.get(override, default) if route.endswith(suffix) else "0"
+        os.environ[switch] = (os.environ.get(override, default) if route.endswith(suffix)
+                              else SWITCH_OFF.get(switch, "0"))
     route = base_route(route)
     if route in STEP_ROUTES:
         import forge_compile as forge

@@ -191,7 +191,8 @@ def test_cpu_smoke_run_of_the_8bit_routes(tmp_path, capsys):
     # (tests/test_train_step_8bit.py), so its losses follow the 8-bit baseline's
     out = tmp_path / "out"
     summary = bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--check-steps", "2", "--warmup", "1",
-                          "--iters", "2", "--time-budget", "600", "--routes", "baseline,baseline_8bit,step_8bit"])
+                          "--iters", "2", "--time-budget", "600", "--routes",
+                          "baseline,baseline_8bit,step_8bit,step_8bit_gluon"])
     capsys.readouterr()
     runs = {r["route"]: r for r in summary["runs"]}
     for route, r in runs.items():
@@ -204,6 +205,9 @@ def test_cpu_smoke_run_of_the_8bit_routes(tmp_path, capsys):
     assert runs["step_8bit"]["fused_linear"] == runs["step_8bit"]["linear_weights"] > 0
     # two correct executions of the same 8-bit steps (the forward/backward compiled in one graph or in two)
     assert math.isclose(runs["step_8bit"]["check_losses"][1], runs["baseline_8bit"]["check_losses"][1], rel_tol=1e-3)
+    # the _gluon route: AdamW8bit too, with FORGE_Q8_PATH=gluon in its process -- on CPU the same CPU path, bitwise
+    assert runs["step_8bit_gluon"]["state_bytes"] == runs["step_8bit"]["state_bytes"]
+    assert runs["step_8bit_gluon"]["check_losses"] == runs["step_8bit"]["check_losses"]
 
 
 def test_cpu_smoke_run_of_main(tmp_path, capsys):
