@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections import Counter
 
@@ -37,6 +38,7 @@ import torch
 
 from ..optim.rule import Rule
 from .epilogue_codegen import Epilogue, EpilogueUnsupported, compile_epilogue, load_kernel_module
+from .q8_state import TRITON_Q8
 from .stochastic_round import GLUON_SROUND
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ _Q8_EPI = '''\
 ROWS_L = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 # the dW tile's swizzle (wgrad_update_gluon's DW_LAYOUT: conflict-free accumulator stores and row-chunk loads)
 DW_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, [1, 0]))
-{round_fn}
+{round_fn}{quantize_fn}
 
 
 @gluon.jit
@@ -92,34 +94,11 @@ def _q8_load(offs, msk, soffs, rok, w_ptr, {q8_ptrs}):
 
 
 @gluon.jit
-def _q8_quantize(x, off, ekey):
-    # q8_state.quantize of a [R, 128] chunk whose rows are whole blocks (masked elements already zero): the block's
-    # scale, then each element's code stochastically rounded with the bits of its index under ekey
-    amax = gl.max(gl.abs(x), axis=1)
-    scale = gl.div_rn(amax, gl.full_like(amax, 448.0))
-    scale = gl.where(scale < 1.1754943508222875e-38, 0.0, scale)
-    inv = gl.where(scale == 0, 0.0, gl.div_rn(gl.full_like(scale, 1.0), gl.where(scale == 0, 1.0, scale)))
-    y = x * inv[:, None]
-    a = gl.abs(y)
-    e = ((a.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp_exp = gl.maximum(e, -6) - 3
-    t = a * ((127 - ulp_exp) << 23).to(gl.float32, bitcast=True)
-    fl = gl.floor(t)
-    r = _hash32(_hash32(off.to(gl.uint32)) ^ ekey.to(gl.uint32)) >> 8
-    u = r.to(gl.float32) * 5.9604644775390625e-08
-    q = (fl + gl.where(u < t - fl, 1.0, 0.0)) * ((127 + ulp_exp) << 23).to(gl.float32, bitcast=True)
-    q = gl.minimum(q, 448.0)
-    q = gl.where((q == 0.0) & (a > 0.0), 0.001953125, q)
-    code = gl.where(y != y, y, gl.where(y < 0, q * -1.0, q))
-    return code, scale
-
-
-@gluon.jit
-def _q8_store(c_ptr, s_ptr, x, offs, msk, soffs, rok, ekey):
+def _q8_store(c_ptr, s_ptr, x, offs, msk, soffs, rok, ekey, R: gl.constexpr):
     # elements outside the weight (a ragged tile) must not enter their block's absmax: zeros, as the spec's padding
-    code, scale = _q8_quantize(gl.where(msk, x, 0.0), offs, ekey)
+    code, scale = _q8_quantize(gl.where(msk, x, 0.0), offs, ekey, R, 128)
     gl.store(c_ptr + offs, code.to(gl.float8e4nv), mask=msk)
-    gl.store(s_ptr + soffs, scale, mask=rok)
+    gl.store(s_ptr + soffs[:, None], scale, mask=rok[:, None])
 
 
 @gluon.jit
@@ -225,6 +204,13 @@ def wgrad_update_q8_gluon_kernel(dy_desc, x_desc, w_ptr, {q8_ptrs}{kernel_scalar
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
+def gluon_q8_quantize() -> str:
+    """q8_state.TRITON_Q8 (the spec's quantization of a tile whose rows hold whole blocks) in Gluon: the same text,
+    tl.* spelled gl.* -- one source for both kernels' encodings. Only its BK == 128 branch is compiled here."""
+    src = TRITON_Q8.replace("@triton.jit", "@gluon.jit").replace("tl.math.div_rn(", "gl.div_rn(")
+    return re.sub(r"\btl\.", "gl.", src).rstrip("\n")
+
+
 _HOST_COMMENT = """\
 # the keys are never specialized (a key of 1 would become a constexpr) and follow the host scalars: the per-step
 # arguments are one run, as launch_memo splices them (remember(nvar=...))"""
@@ -258,12 +244,13 @@ def render_q8_gluon_source(ep: Epilogue, table: bool = False) -> str:
     fields = dict(
         common, **keys,
         round_fn=GLUON_SROUND,
+        quantize_fn=gluon_q8_quantize(),
         key_params=key_params,
         q8_ptrs="".join(f"{u}_c, {u}_s, " for u in up),
         q8_loads="".join(f"gl.load({u}_c + offs, mask=msk), gl.load({u}_s + soffs, mask=rok), " for u in up),
         carry=", ".join(["w", *(f"{s}_c, {s}_s" for s in states)]),
         dequant="\n".join(f"{i4}{s} = {s}_c.to(gl.float32) * {s}_s[:, None]" for s in states) or f"{i4}pass",
-        q8_stores="\n".join(f"{i4}_q8_store({u}_c, {u}_s, new_{s}, offs, msk, soffs, rok, QKEY_{u})"
+        q8_stores="\n".join(f"{i4}_q8_store({u}_c, {u}_s, new_{s}, offs, msk, soffs, rok, QKEY_{u}, R)"
                             for s, u in zip(states, up)),
     )
     return (_HEAD + _Q8_EPI).format(**fields) + "\n\n" + _SPLIT_MMA
