@@ -1068,6 +1068,23 @@ def _split_mma(dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_b
         r += 1
 
 
+
+
+@gluon.jit
+def _split_smem1(dy_desc, x_desc, STAGES: gl.constexpr, DW_L: gl.constexpr):
+    # the split kernels with one dW tile (the grouped and 8-bit kernels): the GEMM ring, the [BN, BK] fp32 tile in
+    # layout DW_L, its barriers -- dw_bar[0] "full" (the MMA warpgroup), dw_bar[1] "empty" (both epilogue
+    # warpgroups)
+    BN: gl.constexpr = dy_desc.block_type.shape[1]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
+    dw = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_L)
+    dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(dw_bar.index(0), count=1)
+    mbarrier.init(dw_bar.index(1), count=2)
+    return a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar
+
+
 '''
 # the rest of the split kernel (its epilogue warpgroups and the kernel), after _SPLIT_MMA
 _SPLIT_KERNEL = _SPLIT_MMA + '''\

@@ -186,12 +186,7 @@ def wgrad_update_q8_gluon_kernel(dy_desc, x_desc, w_ptr, {q8_ptrs}{kernel_scalar
     num_k = gl.cdiv(K, BK)
     num_tiles = num_n * num_k
 
-    a_bufs, b_bufs, ready, empty, mma_turn = _gemm_ring(dy_desc, x_desc, STAGES)
-    dw = gl.allocate_shared_memory(gl.float32, [BN, BK], DW_LAYOUT)
-    # dw_bar[0] "full" (the MMA warpgroup), dw_bar[1] "empty" (both epilogue warpgroups)
-    dw_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(dw_bar.index(0), count=1)
-    mbarrier.init(dw_bar.index(1), count=2)
+    a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar = _split_smem1(dy_desc, x_desc, STAGES, DW_LAYOUT)
 
     gl.warp_specialize([
         (_split_mma, (dy_desc, x_desc, a_bufs, b_bufs, ready, empty, mma_turn, dw, dw_bar, M, num_tiles, STAGES, 1)),
