@@ -211,7 +211,8 @@ _HOST_COMMENT = """\
 # arguments are one run, as launch_memo splices them (remember(nvar=...))"""
 _TABLE_COMMENT = """\
 # every per-step value is a word of the row scal_ptr (wgrad_update_q8's table layout): a CUDA graph replays the
-# arguments"""
+# arguments. scal_ptr not specialized: a row's alignment depends on its index, and a second compile for another
+# alignment could fall inside a CUDA graph's capture"""
 
 
 def render_q8_gluon_source(ep: Epilogue, table: bool = False) -> str:
@@ -228,7 +229,8 @@ def render_q8_gluon_source(ep: Epilogue, table: bool = False) -> str:
     key_params = "EKEY, " + "".join(f"QKEY_{u}, " for u in up)
     i4 = " " * 4
     if table:
-        keys = dict(kernel_key_params="", do_not_specialize="", kernel_comment=_TABLE_COMMENT,
+        keys = dict(kernel_key_params="", do_not_specialize='(do_not_specialize=["scal_ptr"])',
+                    kernel_comment=_TABLE_COMMENT,
                     key_loads=f"{i4}EKEY = gl.load(scal_ptr + {n}).to(gl.int32, bitcast=True)\n" + "".join(
                         f"{i4}QKEY_{u} = gl.load(scal_ptr + {n + 1 + j}).to(gl.int32, bitcast=True)\n"
                         for j, u in enumerate(up)))
