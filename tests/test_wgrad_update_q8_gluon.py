@@ -10,6 +10,7 @@ import ast
 import pytest
 import torch
 
+from interpreter import run_child
 from test_wgrad_update_q8 import _assert_bitwise, _case, _to
 from forge_compile.kernels import wgrad_update_q8 as wq
 from forge_compile.kernels import wgrad_update_q8_gluon as qg
@@ -69,6 +70,34 @@ def test_off_sm90_nothing_takes_it(monkeypatch):
         wq.launch_wgrad_update_q8(w, dy_t, x, _to(states, "cpu"), hp, rule, key=1, salt=2, gluon=True)
     assert wq.dw_block_bytes(4096, 4096, rule, 2048, "cuda") == 2048 * 4096 * 4
     assert wq.dw_block_bytes(4096, 4096, rule, 2048, "cuda", gluon=True) == 0
+
+
+def test_interpreter_tests_in_subprocess():
+    pytest.importorskip("triton")
+    run_child(__file__)
+
+
+def test_interpreter_a_failed_gluon_launch_falls_back_and_stays_the_spec(interpret, monkeypatch):
+    # a Gluon launch that fails to build (here: refused, as off sm_90) marks the rule and the update runs on the
+    # other paths -- nothing was written before the failure, so the result is still the spec's, and the next update
+    # does not try again
+    monkeypatch.setattr(qg, "_WHY_NOT", {})
+    qg.counters.clear()
+    rule, w, dy_t, x, states, hp = _case("adamw", 40, 200, 50, torch.float32, torch.float32, "cpu")
+    monkeypatch.setattr(wq, "take_gluon", lambda *a, **k: qg._WHY_NOT.get(rule.name) is None)
+    w_ref, st_ref = w.clone(), _to(states, "cpu")
+    w_k, st_k = w.clone(), _to(states, "cpu")
+    from models import CorrectlyRoundedSqrt
+
+    for step in range(2):
+        key = round_key(3, step)
+        wq.wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule.name, key=key, salt=5)
+        # the spec with a correctly rounded sqrt, as the kernels' (torch's CPU sqrt is not)
+        with CorrectlyRoundedSqrt():
+            reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5)
+    _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, 2)
+    assert qg.counters["broken"] == 1 and not qg.counters["taken"], dict(qg.counters)
+    assert "Gluon 8-bit kernel failed: ValueError" in qg._WHY_NOT[rule.name]
 
 
 def _check_gluon_is_the_spec(kind, wdtype, steps=2, shape=SHAPE, config=None, max_ctas=None, table=False):
