@@ -23,7 +23,7 @@ import torch
 from . import _compat
 
 __all__ = ["specs_of", "to_local", "local", "wrap", "wrap_all", "rule_inputs", "round_salt", "shard_inputs",
-           "SHARD_SALT", "unsupported"]
+           "q8_global", "SHARD_SALT", "unsupported"]
 
 # stochastic rounding: a shard's salt is its parameter's salt (the index in the step) + SHARD_SALT x its shard index
 SHARD_SALT = 1 << 20
@@ -89,6 +89,56 @@ def shard_inputs(param, salt: int):
     if not _compat.is_dtensor(param):
         return param, param.grad, salt
     return (*rule_inputs(param, param.grad), round_salt(param, salt))
+
+
+def _chunk_sizes(n: int, parts: int) -> list[int]:
+    # torch.chunk's sizes (a Shard placement's local sizes): ceil(n / parts) each while elements last
+    c = -(-n // parts)
+    return [max(0, min(c, n - i * c)) for i in range(parts)]
+
+
+def q8_global(codes, scales, param, block: int):
+    """DTensors over this rank's 8-bit ``codes`` [rows, k] and ``scales`` [rows, ceil(k / block)] of its shard of the
+    DTensor ``param`` (optim/optimizer8bit.py keeps them as plain local tensors): what its state dict holds, so that
+    torch.distributed.checkpoint saves every rank's shard under one name (plain tensors of the same name are taken
+    for replicas: DCP kept one rank's codes for all). The codes are laid out as the parameter (its 2-D rows view: a
+    1-D parameter is one row); the scales' global row length is the sum of the shards' block counts, since blocks lie
+    within each shard's local rows. Raises ValueError for layouts this cannot describe (a parameter of more than two
+    dimensions sharded past its first, its columns sharded over two mesh dimensions)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, nd = param.device_mesh, param.dim()
+    rows = param.shape[0] if nd >= 2 else 1
+    k = param.numel() // max(rows, 1)
+    placements, col_dims = [], []
+    for d, pl in enumerate(param.placements):
+        if pl.is_replicate():
+            placements.append(Replicate())
+            continue
+        dim = pl.dim % nd if pl.is_shard() else None
+        if dim == 0 and nd >= 2:
+            placements.append(Shard(0))
+        elif (dim == 0 and nd == 1) or (dim == 1 and nd == 2):
+            placements.append(Shard(1))
+            col_dims.append(d)
+        else:
+            raise ValueError(f"forge: 8-bit states of a {nd}-D parameter placed {list(param.placements)} have no "
+                             "DTensor layout (rows sharded on dimension 0, or columns of a 2-D / 1-D parameter)")
+    if len(col_dims) > 1:
+        raise ValueError(f"forge: 8-bit states of a parameter whose columns are sharded over {len(col_dims)} mesh "
+                         f"dimensions ({list(param.placements)}) have no DTensor layout (one at most)")
+    if col_dims:
+        sizes = _chunk_sizes(k, mesh.size(col_dims[0]))
+        blocks = [-(-c // block) for c in sizes]
+        nb = sum(blocks)
+        # the scales' shards must be Shard(1)'s own chunks of that global length
+        if _chunk_sizes(nb, len(blocks)) != blocks:
+            raise ValueError(f"forge: 8-bit scales of a parameter with {k} columns over {len(sizes)} shards do not "
+                             "split as a DTensor's chunks")
+    else:
+        nb = -(-k // block)
+    return (DTensor.from_local(codes, mesh, placements, run_check=False, shape=(rows, k), stride=(k, 1)),
+            DTensor.from_local(scales, mesh, placements, run_check=False, shape=(rows, nb), stride=(nb, 1)))
 
 
 def unsupported(ddps, cast_weights: bool) -> str | None:

@@ -30,7 +30,9 @@ from its gradient in the parameter's placements (a Partial one reduced first, as
 would); the rounding salt of a shard is tensor_parallel.round_salt's (the parameter's index + 2^20 x the shard's
 index), so shards draw different bits and replicas equal ones. Whether a parameter's states are 8-bit is decided on
 its global size, the same on every rank. Small parameters' full-precision states are DTensors, as torch.optim's.
-A state dict then holds each rank's own shards' codes and scales (save and load it per rank).
+In a state dict the 8-bit codes and scales of a DTensor parameter are DTensors over the ranks' shards
+(tensor_parallel.q8_global), so torch.distributed.checkpoint saves and loads every rank's own; loading into another
+sharding is refused (the blocks lie within each shard's rows).
 
 State dict: codes (uint8, viewed as float8_e4m3fn by the kernels) and scales (fp32) as they are; torch.optim's
 load_state_dict casts every state but ``step`` to its parameter's dtype (a bf16 parameter's scales would be rounded),
@@ -42,7 +44,7 @@ import itertools
 
 import torch
 
-from .. import tensor_parallel
+from .. import _compat, tensor_parallel
 from ..tensor_parallel import local as _local
 from ..kernels import q8_state
 from ..kernels.stochastic_round import element_key, round_key
@@ -207,11 +209,37 @@ class Rule8bitOptimizer(torch.optim.Optimizer):
                 out[k] = v
         return out
 
+    def state_dict(self) -> dict:
+        """torch.optim's state dict; a DTensor parameter's 8-bit codes and scales as DTensors over this rank's shard
+        (tensor_parallel.q8_global): torch.distributed.checkpoint then saves each rank's own (as plain tensors of one
+        name, it kept one rank's for every rank), and load_state_dict takes either form."""
+        sd = super().state_dict()
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        for i, st in list(sd["state"].items()):
+            p = params[i]
+            if not _compat.is_dtensor(p) or not any(k.endswith("_codes") for k in st):
+                continue
+            st = sd["state"][i] = dict(st)   # torch.optim's dict is the live state: never write into it
+            for name in [k[: -len("_codes")] for k in st if k.endswith("_codes")]:
+                st[f"{name}_codes"], st[f"{name}_scales"] = tensor_parallel.q8_global(
+                    st[f"{name}_codes"], st[f"{name}_scales"], p, q8_state.BLOCK)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = {i: {k: v for k, v in st.items() if k.endswith(("_codes", "_scales"))}
+        saved = {i: {k: _local(v) for k, v in st.items() if k.endswith(("_codes", "_scales"))}
                  for i, st in state_dict["state"].items()}
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = dict(zip(ids, itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+        # this rank's shards must be the ones saved (another sharding splits the blocks elsewhere): checked before
+        # anything changes
+        for i, q in saved.items():
+            (n, k), (_, nb) = q8_shapes(params[i])
+            for key, v in q.items():
+                want = (n, k) if key.endswith("_codes") else (n, nb)
+                if tuple(v.shape) != want:
+                    raise ValueError(f"forge: {type(self).__name__}.load_state_dict: state {key!r} of parameter {i} "
+                                     f"is {list(v.shape)} on this rank, its shard's 8-bit state is {list(want)} (a "
+                                     "checkpoint of another sharding or shape)")
         super().load_state_dict(state_dict)
         # undo torch.optim's cast of these to the parameter's dtype: the 8-bit states as they were saved
         for i, q in saved.items():
