@@ -78,26 +78,38 @@ def test_interpreter_tests_in_subprocess():
 
 
 def test_interpreter_a_failed_gluon_launch_falls_back_and_stays_the_spec(interpret, monkeypatch):
-    # a Gluon launch that fails to build (here: refused, as off sm_90) marks the rule and the update runs on the
-    # other paths -- nothing was written before the failure, so the result is still the spec's, and the next update
-    # does not try again
-    monkeypatch.setattr(qg, "_WHY_NOT", {})
-    qg.counters.clear()
-    rule, w, dy_t, x, states, hp = _case("adamw", 40, 200, 50, torch.float32, torch.float32, "cpu")
-    monkeypatch.setattr(wq, "take_gluon", lambda *a, **k: qg._WHY_NOT.get(rule.name) is None)
-    w_ref, st_ref = w.clone(), _to(states, "cpu")
-    w_k, st_k = w.clone(), _to(states, "cpu")
+    # the dispatch tries the Gluon kernel: a launch it refuses (here: off sm_90) runs on the other paths and marks
+    # nothing; a kernel that fails to build marks its rule, and the update still runs -- nothing was written before
+    # the failure, so every result is the spec's -- and the next update does not try again
     from models import CorrectlyRoundedSqrt
 
-    for step in range(2):
-        key = round_key(3, step)
+    monkeypatch.setattr(qg, "_WHY_NOT", {})
+    monkeypatch.setattr(wq, "gluon_wanted", lambda w: True)
+    qg.counters.clear()
+    rule, w, dy_t, x, states, hp = _case("adamw", 40, 200, 50, torch.float32, torch.float32, "cpu")
+    w_ref, st_ref = w.clone(), _to(states, "cpu")
+    w_k, st_k = w.clone(), _to(states, "cpu")
+
+    def step(i):
+        key = round_key(3, i)
         wq.wgrad_update_q8(w_k, dy_t, x, st_k, hp, rule.name, key=key, salt=5)
         # the spec with a correctly rounded sqrt, as the kernels' (torch's CPU sqrt is not)
         with CorrectlyRoundedSqrt():
             reference_wgrad_update_q8(w_ref, dy_t, x, st_ref, hp, rule.name, key, salt=5)
-    _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, 2)
+
+    step(0)
+    assert not qg.counters["broken"] and not qg.counters["taken"] and not qg._WHY_NOT, dict(qg.counters)
+
+    def build_fails(*a, **k):
+        raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(qg, "q8_gluon_reason", lambda *a, **k: qg._why_not(rule))
+    monkeypatch.setattr(qg, "prepare", build_fails)
+    step(1)
+    step(2)
+    _assert_bitwise(rule, w_k, st_k, w_ref, st_ref, 3)
     assert qg.counters["broken"] == 1 and not qg.counters["taken"], dict(qg.counters)
-    assert "Gluon 8-bit kernel failed: ValueError" in qg._WHY_NOT[rule.name]
+    assert "Gluon 8-bit kernel failed: RuntimeError: no Gluon here" in qg._WHY_NOT[rule.name]
 
 
 def _check_gluon_is_the_spec(kind, wdtype, steps=2, shape=SHAPE, config=None, max_ctas=None, table=False):

@@ -64,7 +64,7 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "take_gluon", "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad",
+           "gluon_wanted", "take_gluon", "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad",
            "as_rows",
            "update_from_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source", "table_width", "row_keys",
@@ -106,16 +106,9 @@ def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int | N
             wgrad_update_q8_cpu(weight, None, None, states, hparams, r, key=key, salt=salt, block_grad=block_grad)
         return
     if triton:
-        from . import wgrad_update_q8_gluon
-
-        if grad is None and take_gluon(weight, dy_t, x, states, r, table):
-            try:
-                launch_wgrad_update_q8(weight, dy_t, x, states, hparams, r, key=key, salt=salt, table=table,
-                                       gluon=True)
-                wgrad_update_q8_gluon.counters["taken"] += 1
-                return
-            except Exception as e:  # a build failure (a triton whose Gluon API differs): nothing was launched
-                wgrad_update_q8_gluon.mark_broken(r, e)
+        if grad is None and gluon_wanted(weight) and _launch_gluon(weight, dy_t, x, states, hparams, r, key, salt,
+                                                                    table):
+            return
         if grad is None and use_blocked(r, x.shape[0]) and x.shape[0] > 0:
             wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, r, key=key, salt=salt, table=table)
         else:
@@ -426,8 +419,8 @@ def _prepare(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, 
 
         why = None if grad is not None or off0 else wgrad_update_q8_gluon.q8_gluon_reason(weight, dy_t, x, pairs, rule)
         if grad is not None or off0 or why is not None:
-            raise ValueError(f"forge: the Gluon 8-bit kernel cannot take this launch: "
-                             f"{why or 'a stored dW or a row block (the blocked path)'}")
+            raise wgrad_update_q8_gluon.GluonRefused(f"forge: the Gluon 8-bit kernel cannot take this launch: "
+                                                     f"{why or 'a stored dW or a row block (the blocked path)'}")
         _check_shapes(weight, dy_t, x)
         ep, kernel = compile_epilogue(rule, "cuda"), None
     else:
@@ -598,17 +591,44 @@ def wgrad_update_q8_blocked(weight, dy_t, x, states, hparams, rule: Rule, *, key
     _advance(scalar_states, new or [])
 
 
-def take_gluon(weight, dy_t, x, states, rule: Rule, table=None) -> bool:
-    """Whether an update of a GEMM's dW takes the Gluon kernel (kernels/wgrad_update_q8_gluon.py): FORGE_Q8_PATH=gluon,
-    or unset while wgrad_update_q8_gluon.AUTO_Q8_GLUON is on, and q8_gluon_reason allows the launch (an sm_90 GPU,
-    bf16/fp16 activations, ...). ``states`` as ``wgrad_update_q8`` takes them."""
+def gluon_wanted(weight) -> bool:
+    """Whether the dispatch tries the Gluon kernel (kernels/wgrad_update_q8_gluon.py) for an update of a GEMM's dW:
+    a CUDA weight and FORGE_Q8_PATH=gluon, or unset while wgrad_update_q8_gluon.AUTO_Q8_GLUON is on. Whether the
+    launch can take it is q8_gluon_reason's (``take_gluon``), asked on a launch-memo miss only."""
     from . import wgrad_update_q8_gluon
 
     forced = os.environ.get("FORGE_Q8_PATH", "")
-    if not weight.is_cuda or not (forced == "gluon" or (not forced and wgrad_update_q8_gluon.AUTO_Q8_GLUON)):
+    return weight.is_cuda and (forced == "gluon" or (not forced and wgrad_update_q8_gluon.AUTO_Q8_GLUON))
+
+
+def take_gluon(weight, dy_t, x, states, rule: Rule, table=None) -> bool:
+    """Whether an update of a GEMM's dW takes the Gluon kernel: ``gluon_wanted`` and q8_gluon_reason allows the launch
+    (an sm_90 GPU, bf16/fp16 activations, ...). ``states`` as ``wgrad_update_q8`` takes them."""
+    from . import wgrad_update_q8_gluon
+
+    if not gluon_wanted(weight):
         return False
     pairs = check_q8_states(weight, rule, states, table is not None)[0]
     return wgrad_update_q8_gluon.q8_gluon_reason(weight, dy_t, x, pairs, rule) is None
+
+
+def _launch_gluon(weight, dy_t, x, states, hparams, rule: Rule, key, salt, table) -> bool:
+    """The update on the Gluon kernel; False (nothing done) where it cannot take the launch (q8_gluon_reason) or its
+    kernel failed to build -- then the rule is marked and stays on the other paths. A repeated launch goes through
+    the launch memo before any check (the tensors are those of a launch that ran)."""
+    from . import wgrad_update_q8_gluon as qg
+
+    try:
+        _advance(*_launch(weight, dy_t, x, states, hparams, rule, key, salt, None, table=table, gluon=True))
+    except qg.GluonRefused:
+        return False
+    except (ValueError, TypeError):   # the arguments' own errors (states, shapes, keys): every path raises them
+        raise
+    except Exception as e:  # a build failure (a triton whose Gluon API differs): nothing was launched
+        qg.mark_broken(rule, e)
+        return False
+    qg.counters["taken"] += 1
+    return True
 
 
 def use_blocked(rule: Rule, m: int) -> bool:

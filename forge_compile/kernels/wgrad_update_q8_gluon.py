@@ -289,6 +289,10 @@ def _why_not(rule: Rule) -> str | None:
     return why or None
 
 
+class GluonRefused(ValueError):
+    """This launch is not one the kernel takes (q8_gluon_reason's answer): the dispatch uses the other paths."""
+
+
 def mark_broken(rule: Rule, e: Exception) -> None:
     """A build/compile failure: this rule's launches stay on wgrad_update_q8's other paths from now on (logged)."""
     counters["broken"] += 1
