@@ -590,8 +590,8 @@ def should_fuse_wgrad_update_q8(match: _Match, order: dict, after_copies: bool =
 
 def _q8_how(match: _Match, w, rule: str, how: str) -> tuple[str, int]:
     """A fused 8-bit update's report text, and the dW bytes it holds at once: on CUDA the blocked path's row block
-    (kernels/wgrad_update_q8.use_blocked; none where the Gluon kernel takes it, expects_gluon; an embedding's always); the CPU paths' cache-sized blocks are working
-    memory, as the fp32 CPU path's (wgrad_update_cpu)."""
+    (kernels/wgrad_update_q8.use_blocked; none where the Gluon kernel takes it, expects_gluon; an embedding's
+    always); the CPU paths' cache-sized blocks are working memory, as the fp32 CPU path's (wgrad_update_cpu)."""
     from ..kernels.wgrad_update_q8 import block_rows, dw_block_bytes
     from ..kernels.wgrad_update_q8_gluon import expects_gluon
     from ..report import _fmt_bytes   # report imports this module
@@ -607,7 +607,7 @@ def _q8_how(match: _Match, w, rule: str, how: str) -> tuple[str, int]:
     tokens = sum(_meta(m.args[0]).shape[1] for m, _ in match.pairs) * (match.dp[1] if match.dp is not None else 1)
     gluon = cuda and expects_gluon(w.device, *w.shape, _meta(match.pairs[0][0].args[0]).dtype, get_rule(rule))
     held = dw_block_bytes(*w.shape, get_rule(rule), tokens, "cuda", gluon) if cuda else 0
-    parts = ["8-bit states"] + ([how] if how else [])
+    parts = ["8-bit states"] + ([how] if how else []) + (["on the Gluon kernel (dW never in memory)"] if gluon else [])
     if held:
         parts.append(f"dW made by cuBLAS in row blocks of {_fmt_bytes(held)} (the fused 8-bit kernel is slower for "
                      "this rule; FORGE_Q8_PATH=fused makes none)")
