@@ -199,6 +199,7 @@ def wgrad_update_q8_gluon_kernel(dy_desc, x_desc, w_ptr, {q8_ptrs}{kernel_scalar
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 '''
 
+
 def gluon_q8_quantize() -> str:
     """q8_state.TRITON_Q8 (the spec's quantization of a tile whose rows hold whole blocks) in Gluon: the same text,
     tl.* spelled gl.* -- one source for both kernels' encodings. Only its BK == 128 branch is compiled here."""
