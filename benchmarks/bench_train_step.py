@@ -106,7 +106,8 @@ STEP_ROUTES = ("step", "step_8bit", "step_graphs_8bit", "step_8bit_gluon", "step
                "step_graphs_recompute",
                "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl")
 FORGE_ROUTES = STEP_ROUTES + ("backend", "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")
-GRAPH_ROUTES = ("step_graphs", "step_graphs_8bit", "step_graphs_8bit_gluon", "step_graphs_group",   # replayed CUDA graphs
+# replayed CUDA graphs
+GRAPH_ROUTES = ("step_graphs", "step_graphs_8bit", "step_graphs_8bit_gluon", "step_graphs_group",
                 "step_graphs_pdl", "step_graphs_recompute",
                 "step_graphs_cast", "step_graphs_cast_group", "step_graphs_cast_pdl", "baseline_graphs",
                 "backend_graphs", "backend_graphs_group", "backend_graphs_pdl")

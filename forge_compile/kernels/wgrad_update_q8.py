@@ -64,9 +64,8 @@ from .wgrad_update_cpu import _CPU_BLOCK_BYTES
 from .wgrad_update_triton import TRITON_DW_TILE
 
 __all__ = ["reference_wgrad_update_q8", "wgrad_update_q8", "launch_wgrad_update_q8", "wgrad_update_q8_blocked",
-           "gluon_wanted", "take_gluon", "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu", "embedding_block_grad",
-           "as_rows",
-           "update_from_grad",
+           "gluon_wanted", "take_gluon", "use_blocked", "dw_block_bytes", "block_rows", "wgrad_update_q8_cpu",
+           "embedding_block_grad", "as_rows", "update_from_grad",
            "empty_q8_state", "Q8Config", "CONFIGS", "pick_config", "render_kernel_source", "table_width", "row_keys",
            "table_row", "check_q8_table"]
 
@@ -84,8 +83,9 @@ def wgrad_update_q8(weight, dy_t, x, states, hparams, rule: str, *, key: int | N
                     grad=None, block_grad=None, table=None) -> None:
     """The update (the module docstring): on CUDA tensors (or on CPU ones under the interpreter, FORGE_TRITON_CPU=1)
     the Gluon kernel (``take_gluon``), the blocked path or the fused Triton kernel (``use_blocked``), else the CPU
-    path -- the same function, bitwise, on each device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of rows r0..r1 made on demand (an embedding's,
-    from its compact rows), for the blocked paths. ``key``, ``salt``: the step's round key and the parameter's salt.
+    path -- the same function, bitwise, on each device's arithmetic. ``block_grad(r0, r1)``: the fp32 gradient of
+    rows r0..r1 made on demand (an embedding's, from its compact rows), for the blocked paths. ``key``, ``salt``: the
+    step's round key and the parameter's salt.
 
     ``table``: the scalar-table update (the module docstring's row): ``states`` are then the tensor states alone --
     (codes, scales) pairs in the rule's order of its tensor states --, ``hparams`` is empty, ``key`` and ``salt``
@@ -511,7 +511,7 @@ def _launch(weight, dy_t, x, states, hparams, rule: Rule, key: int, salt: int, g
     if memo_key is not None:
         launch_memo.remember(memo_key, rule, lambda: _prepare(weight, dy_t, x, states, hparams, rule, key, salt, grad,
                                                               None, off0, gluon=gluon),
-                             _kernel_for(rule, "cuda")[0], states, hparams, _scalar_idx(rule), nvar=1 + len(qkeys))
+                             compile_epilogue(rule, "cuda"), states, hparams, _scalar_idx(rule), nvar=1 + len(qkeys))
     return scalar_states, new
 
 
@@ -597,8 +597,7 @@ def gluon_wanted(weight) -> bool:
     launch can take it is q8_gluon_reason's (``take_gluon``), asked on a launch-memo miss only."""
     from . import wgrad_update_q8_gluon
 
-    forced = os.environ.get("FORGE_Q8_PATH", "")
-    return weight.is_cuda and (forced == "gluon" or (not forced and wgrad_update_q8_gluon.AUTO_Q8_GLUON))
+    return weight.is_cuda and wgrad_update_q8_gluon.wanted()
 
 
 def take_gluon(weight, dy_t, x, states, rule: Rule, table=None) -> bool:

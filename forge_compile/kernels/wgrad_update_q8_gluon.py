@@ -11,8 +11,8 @@ shared memory while two epilogue warpgroups stream W and the states of the tile 
 and AdamW moves 8 + 2 x (1 + 4/128) bytes per element instead of 24 (fp32 states).
 
 Read top to bottom: the epilogue template (chunk addressing, loads, the quantization as the spec spells it, one
-chunk's step, the epilogue partition, the kernel), its render step, the launcher (``prepare`` / ``launch``), then
-``q8_gluon_reason``: whether a launch can take this path (anything else stays on wgrad_update_q8's paths).
+chunk's step, the epilogue partition, the kernel), its render step, ``q8_gluon_reason``: whether a launch can take
+this path (anything else stays on wgrad_update_q8's paths), the launch's ``prepare`` (wgrad_update_q8 launches it).
 
 Layout: [128, 128] tiles of dW (BK = 128 = the 8-bit format's block: a chunk row is one block, its absmax a warp's
 row reduction, its scale one fp32 per row of the chunk); each epilogue warpgroup walks [R, 128] row chunks of its
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 # "taken": updates wgrad_update_q8's dispatch sent here; "broken": rules whose kernel failed to build (mark_broken)
 counters: Counter = Counter()
 
-__all__ = ["render_q8_gluon_source", "q8_gluon_reason", "prepare", "q8_config", "pick_q8_config", "mark_broken",
-           "expects_gluon", "counters", "AUTO_Q8_GLUON"]
+__all__ = ["render_q8_gluon_source", "wanted", "q8_gluon_reason", "expects_gluon", "prepare", "q8_config",
+           "pick_q8_config", "mark_broken", "GluonRefused", "counters", "AUTO_Q8_GLUON"]
 
 # Whether the default 8-bit path (FORGE_Q8_PATH unset) takes this kernel where it can: off until it has run on a GPU
 # (tests bitwise the spec, and faster than the blocked path in bench_wgrad_update_q8.py). FORGE_Q8_PATH=gluon forces it
@@ -180,7 +180,7 @@ def wgrad_update_q8_gluon_kernel(dy_desc, x_desc, w_ptr, {q8_ptrs}{kernel_scalar
     # BK is the format's block: a chunk row is one block (its absmax a row reduction)
     gl.static_assert(num_warps == 4 and BK == 128)
     gl.static_assert((BN // 2) % R == 0 and R % 4 == 0)
-{scalar_loads}{key_loads}    # 16-byte W vectors and 4-byte code vectors need aligned rows: K % 8 == 0 (q8_gluon_reason; TMA too)
+{scalar_loads}{key_loads}    # 16-byte W / 4-byte code vectors need aligned rows: K % 8 == 0 (q8_gluon_reason; TMA too)
     K = gl.multiple_of(K, 8)
     num_n = gl.cdiv(N, BN)
     num_k = gl.cdiv(K, BK)
@@ -324,46 +324,53 @@ def pick_q8_config(n_states: int):
     return q8_config(ahead=3 if n_states >= 2 else 4)
 
 
-def q8_gluon_reason(weight, dy_t, x, pairs, rule: Rule) -> str | None:
-    """None when this fused 8-bit launch can take the Gluon kernel, else why not. ``pairs``: the checked tensor
-    states (wgrad_update_q8.check_q8_states: (index, codes, scales))."""
+def wanted() -> bool:
+    """Whether the 8-bit dispatch tries this kernel: FORGE_Q8_PATH=gluon, or unset while AUTO_Q8_GLUON is on."""
+    forced = os.environ.get("FORGE_Q8_PATH", "")
+    return forced == "gluon" or (not forced and AUTO_Q8_GLUON)
+
+
+def _static_reason(device, n: int, k: int, act_dtype, rule: Rule) -> str | None:
+    # what the device, the dtypes and the shape decide, before any tensor exists (expects_gluon) or at a launch
     from . import wgrad_update_gluon as wg
 
     if os.environ.get(wg.ENV, "auto").strip().lower() == "triton":
         return f"{wg.ENV}=triton"
-    dev = weight.device
-    if dy_t.device != dev or x.device != dev or not wg._device_ok(dev):
+    if not wg._device_ok(torch.device(device)):
         return "not an sm_90 CUDA device"
     if not wg.gluon_available():
         return "triton.experimental.gluon (Hopper) not importable"
-    if dy_t.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        return f"activations {dy_t.dtype}/{x.dtype} (bf16 or fp16, same dtype)"
+    if act_dtype not in (torch.bfloat16, torch.float16):
+        return f"activations {act_dtype} (bf16 or fp16)"
+    if n % 8 or k % 8:
+        return "N and K must be multiples of 8 (16-byte TMA row strides)"
+    return _why_not(rule)
+
+
+def q8_gluon_reason(weight, dy_t, x, pairs, rule: Rule) -> str | None:
+    """None when this fused 8-bit launch can take the Gluon kernel, else why not. ``pairs``: the checked tensor
+    states (wgrad_update_q8.check_q8_states: (index, codes, scales))."""
+    dev = weight.device
+    if dy_t.device != dev or x.device != dev:
+        return "not an sm_90 CUDA device"
+    if dy_t.dtype != x.dtype:
+        return f"activations {dy_t.dtype}/{x.dtype} (one dtype)"
     if x.shape[0] == 0:
         return "M == 0"
     if not dy_t.t().is_contiguous() or not x.is_contiguous():
         return "dy_t must be the transpose of a row-major dY and x row-major"
-    n, k = weight.shape
-    if n % 8 or k % 8:
-        return "N and K must be multiples of 8 (16-byte TMA row strides)"
-    if any(t.data_ptr() % 16 for t in (dy_t, x, weight)) or any(c.data_ptr() % 4 for _, c, _ in pairs):
+    why = _static_reason(dev, *weight.shape, x.dtype, rule)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (dy_t, x, weight)) and all(c.data_ptr() % 4 == 0 for _, c, _ in pairs)
+    if why is None and not aligned:
         return "a base pointer is not aligned (16 bytes for W and the activations, 4 for codes)"
-    return _why_not(rule)
+    return why
 
 
 def expects_gluon(device, n: int, k: int, act_dtype, rule: Rule) -> bool:
     """Whether an update of an [n, k] weight on ``device`` from ``act_dtype`` activations will take this kernel
     (wgrad_update_q8.take_gluon) as far as shapes and dtypes tell -- the compile-time report's question; pointer
     alignment and layouts are a launch's (q8_gluon_reason)."""
-    from . import wgrad_update_gluon as wg
-
-    forced = os.environ.get("FORGE_Q8_PATH", "")
-    if not (forced == "gluon" or (not forced and AUTO_Q8_GLUON)):
-        return False
-    if os.environ.get(wg.ENV, "auto").strip().lower() == "triton":
-        return False
-    return (torch.device(device).type == "cuda" and wg._device_ok(torch.device(device)) and wg.gluon_available()
-            and act_dtype in (torch.bfloat16, torch.float16) and n % 8 == 0 and k % 8 == 0
-            and _why_not(rule) is None)
+    return wanted() and _static_reason(device, n, k, act_dtype, rule) is None
 
 
 def prepare(rule: Rule, weight, dy_t, x, pairs, scalars, keys, *, table: bool = False, config=None,
